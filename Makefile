@@ -1,0 +1,33 @@
+# The two commands in README.md: `make tour` and `make test`. Each builds .venv first if needed.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: tour test lint nbval exercises clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PY) >/dev/null || { echo "zeroedu needs Python 3.11 ($(PY) not found); set PY=/path/to/python3.11"; exit 1; }
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first and pinned, so that no other package can ask for a (CUDA) build of its own.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+tour: $(STAMP)
+	$(BIN)/zeroedu tour
+
+test: $(STAMP)
+	$(BIN)/ruff check zeroedu tests
+	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --nbval --sanitize-with tests/nbval_sanitize.cfg notebooks solutions
+
+lint: $(STAMP)
+	$(BIN)/ruff check zeroedu tests
+
+exercises: $(STAMP)
+	$(BIN)/zeroedu build-exercises
+
+clean:
+	rm -rf $(VENV)

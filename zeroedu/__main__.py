@@ -1,0 +1,5 @@
+import sys
+
+from zeroedu.cli import main
+
+sys.exit(main())

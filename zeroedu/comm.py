@@ -1,0 +1,331 @@
+"""Counted collectives: every collective the engine runs goes through here and lands in the rank's ledger.
+
+Two implementations of each collective:
+- "native": torch.distributed's own (NCCL's kernels on GPUs, gloo's on CPU). We cannot see what a native
+  collective puts on the wire, so its `sent_bytes` is the ring algorithm's volume for that tensor
+  (`sent_measured=False`): an algorithmic figure, not an observation.
+- "ring": written here on isend/irecv, one neighbour to the next. `sent_bytes` adds up the payloads this rank
+  actually handed to isend (`sent_measured=True`). gloo's reduce-scatter is an all-reduce plus a slice
+  (DESIGN.md), so on gloo the ring versions are also faster; `zeroedu bench --collectives` measures it.
+
+Collectives run on one worker thread per process, in submission order. That gives overlap (the main thread
+keeps computing backward while a bucket reduces) and keeps every rank's order of collectives identical,
+which is what makes them match up.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
+
+
+@dataclass
+class LedgerEntry:
+    op: str
+    phase: str
+    kind: str
+    step: int
+    dtype: str
+    numel: int
+    group: tuple[int, ...]
+    group_size: int
+    tensor_bytes: int        # bytes of the full tensor (all-reduce: the tensor; rs: the input; ag: the output)
+    sent_bytes: int          # bytes this rank sent (measured for "ring", ring volume for "native")
+    sent_measured: bool
+    impl: str
+    seconds: float           # wall time of the call on this rank (gloo on CPU here, not NCCL)
+    seq: int
+    start: float = 0.0       # time.time() when it started, for per-rank timelines
+
+
+class Ledger(list):
+    """The collectives of one rank, in order. A list of LedgerEntry with summaries."""
+
+    def rows(self) -> list[dict]:
+        return [asdict(e) for e in self]
+
+    def select(self, **match) -> Ledger:
+        return Ledger(e for e in self if all(getattr(e, k) == v for k, v in match.items()))
+
+    def sent(self, **match) -> int:
+        return sum(e.sent_bytes for e in self.select(**match))
+
+    def by(self, *keys: str, field: str = "sent_bytes", **match) -> dict:
+        """Sum of `field` grouped by the given keys, e.g. by("phase", "op", step=3)."""
+        out: dict = defaultdict(int)
+        for e in self.select(**match):
+            k = tuple(getattr(e, key) for key in keys)
+            out[k[0] if len(k) == 1 else k] += getattr(e, field)
+        return dict(out)
+
+    def per_step(self, step: int, kinds: tuple[str, ...] = ("params", "grads")) -> dict[str, int]:
+        """Bytes sent in one optimizer step as "phase/op" -> bytes (the keys zeroedu.theory uses)."""
+        out: dict[str, int] = defaultdict(int)
+        for e in self:
+            if e.step == step and e.kind in kinds:
+                out[f"{e.phase}/{e.op}"] += e.sent_bytes
+        out = dict(out)
+        out["total"] = sum(out.values())
+        return out
+
+
+class Handle:
+    """A collective (or a closure of them) running on the comm thread."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+
+class _Worker:
+    """The one thread per process that runs collectives, in order."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="zeroedu-comm", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            fn, handle = self.jobs.get()
+            try:
+                fn()
+            except BaseException as e:  # handed to whoever waits
+                handle._error = e
+            handle._done.set()
+
+    def submit(self, fn: Callable[[], None]) -> Handle:
+        h = Handle()
+        if threading.current_thread() is self.thread:  # already on the comm thread: run inline
+            try:
+                fn()
+            except BaseException as e:
+                h._error = e
+            h._done.set()
+            return h
+        self.jobs.put((fn, h))
+        return h
+
+
+_WORKER: _Worker | None = None
+
+
+def _worker() -> _Worker:
+    global _WORKER
+    if _WORKER is None or not _WORKER.thread.is_alive():
+        _WORKER = _Worker()
+    return _WORKER
+
+
+def _report(text: str | None) -> None:
+    try:
+        from zeroedu.launch import report_status
+    except ImportError:
+        return
+    report_status(text)
+
+
+class Comm:
+    """Collectives over one process group, counted in a ledger shared by every Comm of this rank."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, implementation: str = "auto",
+                 ledger: Ledger | None = None, name: str | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized: start ranks with zeroedu.launch(fn, "
+                               "world_size) or torchrun, or call zeroedu.launch.init_distributed().")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
+            range(self.world_size))
+        self.backend = dist.get_backend(group)
+        if implementation == "auto":
+            implementation = "native" if self.backend == "nccl" else "ring"
+        if implementation not in {"ring", "native"}:
+            raise ValueError(f"comm implementation must be 'auto', 'ring' or 'native', got {implementation!r}")
+        self.implementation = implementation
+        self.ledger = Ledger() if ledger is None else ledger
+        self.name = name or ",".join(map(str, self.ranks))
+        self.phase = "other"
+        self.step = 0
+        self._seq = 0
+        self.last: str | None = None   # the last collective this rank entered (for hang reports)
+
+    # -- context ----------------------------------------------------------------------------------------
+    @contextmanager
+    def in_phase(self, phase: str):
+        old, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = old
+
+    def subgroup(self, ranks: list[int], name: str | None = None) -> Comm:
+        """A Comm over some of the ranks, sharing this ledger. Every rank of the world must call it."""
+        return Comm(dist.new_group(ranks), self.implementation, self.ledger, name)
+
+    # -- public collectives -----------------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, average: bool = True, kind: str = "grads",
+                   async_op: bool = False) -> Handle | None:
+        return self._run("all_reduce", t, None, kind, async_op, average=average)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, average: bool = True, kind: str = "grads",
+                       async_op: bool = False) -> Handle | None:
+        if inp.numel() != out.numel() * self.world_size:
+            raise ValueError(f"reduce_scatter: input has {inp.numel()} elements, expected "
+                             f"{out.numel()} x {self.world_size}")
+        return self._run("reduce_scatter", out, inp, kind, async_op, average=average)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, kind: str = "params",
+                   async_op: bool = False) -> Handle | None:
+        if out.numel() != inp.numel() * self.world_size:
+            raise ValueError(f"all_gather: output has {out.numel()} elements, expected "
+                             f"{inp.numel()} x {self.world_size}")
+        return self._run("all_gather", out, inp, kind, async_op)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0, kind: str = "params") -> None:
+        self._run("broadcast", t, None, kind, False, src=src)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, kind: str = "grads",
+                   async_op: bool = False) -> Handle | None:
+        return self._run("all_to_all", out, inp, kind, async_op)
+
+    def run_async(self, fn: Callable[[], None]) -> Handle:
+        """Run a closure (collectives plus the work that belongs with them) on the comm thread."""
+        return _worker().submit(fn)
+
+    # -- machinery --------------------------------------------------------------------------------------
+    def _run(self, op: str, a: torch.Tensor, b: torch.Tensor | None, kind: str, async_op: bool,
+             **kw) -> Handle | None:
+        phase, step = self.phase, self.step
+        h = _worker().submit(lambda: self._call(op, a, b, kind, phase, step, **kw))
+        if async_op:
+            return h
+        h.wait()
+        return None
+
+    def _call(self, op: str, a: torch.Tensor, b: torch.Tensor | None, kind: str, phase: str, step: int,
+              **kw) -> None:
+        self._seq += 1
+        full = b if op == "reduce_scatter" else a  # the "S" of the ring formulas
+        sig = f"{op} {str(a.dtype).removeprefix('torch.')}[{full.numel()}] ({phase})"
+        self.last = f"#{self._seq} {sig}"
+        _report(f"waiting|{self.name}|{self._seq}|{sig}")
+        t0, wall0 = time.perf_counter(), time.time()
+        impl = "native" if (self.implementation == "native" or op in {"broadcast", "all_to_all"}) else "ring"
+        if self.world_size == 1:
+            sent = self._single(op, a, b)
+            impl_used = impl
+        elif impl == "ring":
+            sent = getattr(self, f"_ring_{op}")(a, b)
+            impl_used = "ring"
+        else:
+            sent = self._native(op, a, b, **kw)
+            impl_used = "native"
+        if kw.get("average") and self.world_size > 1:
+            a.div_(self.world_size)
+        seconds = time.perf_counter() - t0
+        _report(f"done|{self.name}|{self._seq}|{sig}")
+        self.ledger.append(LedgerEntry(
+            op=op, phase=phase, kind=kind, step=step, dtype=str(a.dtype).removeprefix("torch."),
+            numel=full.numel(), group=self.ranks, group_size=self.world_size,
+            tensor_bytes=full.numel() * full.element_size(), sent_bytes=int(sent),
+            sent_measured=impl_used == "ring" or self.world_size == 1, impl=impl_used, seconds=seconds,
+            seq=self._seq, start=wall0))
+
+    def _single(self, op: str, a: torch.Tensor, b: torch.Tensor | None) -> int:
+        if op in {"reduce_scatter", "all_gather", "all_to_all"}:
+            a.copy_(b)
+        return 0
+
+    def _native(self, op: str, a: torch.Tensor, b: torch.Tensor | None, **kw) -> int:
+        n, g = self.world_size, self.group
+        size = (b if op == "reduce_scatter" else a)
+        nbytes = size.numel() * size.element_size()
+        if op == "all_reduce":
+            dist.all_reduce(a, group=g)
+            return 2 * (n - 1) * nbytes // n
+        if op == "reduce_scatter":
+            dist.reduce_scatter_single(a, b, group=g)
+            return (n - 1) * nbytes // n
+        if op == "all_gather":
+            if b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr():
+                b = b.clone()  # the input may be this rank's chunk of the output; native needs them apart
+            dist.all_gather_single(a, b, group=g)
+            return (n - 1) * nbytes // n
+        if op == "all_to_all":
+            dist.all_to_all_single(a, b, group=g)
+            return (n - 1) * nbytes // n
+        if op == "broadcast":
+            dist.broadcast(a, src=self.ranks[kw.get("src", 0)], group=g)
+            return nbytes if self.rank == kw.get("src", 0) else 0  # a tree or ring sends S at least once
+        raise ValueError(op)
+
+    # Ring algorithms. Rank r sends to r+1 and receives from r-1, N-1 times per phase. Chunk c of the
+    # tensor is the c-th of N equal parts.
+    def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> int:
+        right = self.ranks[(self.rank + 1) % self.world_size]
+        left = self.ranks[(self.rank - 1) % self.world_size]
+        works = [dist.isend(send, right, group=self.group), dist.irecv(recv, left, group=self.group)]
+        for w in works:
+            w.wait()
+        return send.numel() * send.element_size()
+
+    def _ring_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> int:
+        n, r = self.world_size, self.rank
+        chunks = inp.reshape(-1).chunk(n)
+        # Step s: send the partial sum of chunk (r-s-1), receive chunk (r-s-2) and add our own part of it.
+        # After n-1 steps the chunk we hold is chunk r, summed over every rank.
+        partial = chunks[(r - 1) % n]
+        recv = torch.empty_like(partial)
+        sent = 0
+        for s in range(n - 1):
+            sent += self._exchange(partial, recv)
+            partial = recv + chunks[(r - s - 2) % n]
+        out.reshape(-1).copy_(partial)
+        return sent
+
+    def _ring_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> int:
+        n, r = self.world_size, self.rank
+        chunks = out.reshape(-1).chunk(n)
+        chunks[r].copy_(inp.reshape(-1))
+        sent = 0
+        # Step s: pass on the chunk that arrived last step (our own at s = 0).
+        for s in range(n - 1):
+            sent += self._exchange(chunks[(r - s) % n], chunks[(r - s - 1) % n])
+        return sent
+
+    def _ring_all_reduce(self, t: torch.Tensor, _: torch.Tensor | None = None) -> int:
+        n, r = self.world_size, self.rank
+        flat = t.reshape(-1)
+        padded = -(-flat.numel() // n) * n
+        work = flat if (padded == flat.numel() and t.is_contiguous()) else torch.zeros(
+            padded, dtype=t.dtype, device=t.device)
+        if work is not flat:
+            work[: flat.numel()].copy_(flat)
+        chunks = work.chunk(n)
+        recv = torch.empty_like(chunks[0])
+        sent = 0
+        for s in range(n - 1):   # reduce-scatter in place: chunk (r-s-2) accumulates what arrives
+            sent += self._exchange(chunks[(r - s - 1) % n], recv)
+            chunks[(r - s - 2) % n].add_(recv)
+        for s in range(n - 1):   # all-gather in place: chunk r is complete, pass complete chunks on
+            sent += self._exchange(chunks[(r - s) % n], chunks[(r - s - 1) % n])
+        if work is not flat:
+            flat.copy_(work[: flat.numel()])
+        return sent

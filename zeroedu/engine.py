@@ -1,0 +1,264 @@
+"""`initialize()` and the part of a training step that every ZeRO stage shares.
+
+A stage decides where parameters, gradients and optimizer state live and which collectives move them
+(`zeroedu/stages/`). Everything else is here, once: precision, the loss scale, gradient accumulation,
+clipping by the global norm, the optimizer step on fp32 master weights, the ledger and the memory meter.
+
+The optimizer always steps a list of fp32 "master pieces": the whole model at stage 0, this rank's 1/N
+pieces at stages 1-3. Adam is elementwise, so stepping pieces of a flat buffer computes exactly what
+stepping the original parameters would.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from zeroedu.comm import Comm, LedgerEntry
+from zeroedu.config import Config, load_config
+from zeroedu.memory import MODEL_STATES, PeakTracker, resident
+from zeroedu.precision import LossScaler, compute_dtype
+
+
+def initialize(model: torch.nn.Module, config=None, model_parameters=None, **_ignored):
+    """Wrap `model` in the engine for `config["zero_optimization"]["stage"]`, like `deepspeed.initialize`.
+
+    Returns `(engine, optimizer, None, None)`; the two Nones stand where DeepSpeed returns a data loader and
+    a learning-rate scheduler. torch.distributed must be initialized (zeroedu.launch or torchrun) or this
+    process becomes a world of one.
+    """
+    from zeroedu.stages import STAGES
+
+    cfg = load_config(config)
+    if not dist.is_initialized():
+        from zeroedu.launch import init_distributed
+
+        init_distributed()
+    engine = STAGES[cfg.stage](model, cfg)
+    return engine, engine.optimizer, None, None
+
+
+def make_optimizer(cfg: Config, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    kind, kw = cfg.optimizer.type, dict(cfg.optimizer.params)
+    cls = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}[kind]
+    if kind == "SGD":
+        kw.setdefault("lr", 1e-3)
+    return cls(params, **kw)
+
+
+class Engine:
+    """What a training step is at every stage. Subclasses fill in where the bytes live."""
+
+    stage = -1
+    sharded = False      # does each rank own only part of the optimizer state (stages 1-3)?
+
+    def __init__(self, model: torch.nn.Module, config: Config, comm: Comm | None = None) -> None:
+        self.config = config
+        self.module = model
+        self.precision = config.precision
+        self.dtype = compute_dtype(self.precision)
+        self.comm = comm or Comm(implementation=config.comm_implementation)
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.accum = config.gradient_accumulation_steps
+        self.overlap = config.zero_optimization.overlap_comm
+        self.micro_step = 0
+        self.global_step = 0
+        self.skipped_steps = 0
+        self.scaler = LossScaler.from_config(config.fp16)
+        self.timeline: list[tuple[str, float, float]] = []   # (phase, start, end) in time.time()
+        self.last_peak: PeakTracker | None = None
+        self._tracker: PeakTracker | None = None
+        self._handles: list = []
+
+        model.to(self.dtype)
+        # Parameters that train, each once (a tied weight is one Parameter in two modules).
+        self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        self.names = {p: n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+        with self.comm.in_phase("init"):
+            for t in list(dict.fromkeys(model.parameters())) + list(model.buffers()):
+                self.comm.broadcast(t.data, 0, kind="params" if t.is_floating_point() else "other")
+        self.setup()
+        self.optimizer = make_optimizer(config, self.master_pieces)
+
+    # -- what a stage provides ---------------------------------------------------------------------------
+    master_pieces: list[torch.nn.Parameter]
+
+    def setup(self) -> None:
+        raise NotImplementedError
+
+    def before_backward(self) -> None:
+        pass
+
+    def after_backward(self) -> None:
+        pass
+
+    def grad_pieces(self) -> list[torch.Tensor]:
+        """Reduced gradients (compute dtype, summed over ranks / micro-steps), aligned with master_pieces."""
+        raise NotImplementedError
+
+    def publish(self) -> None:
+        """After the optimizer step: put the new master weights back into the compute parameters."""
+        raise NotImplementedError
+
+    def zero_grads(self) -> None:
+        raise NotImplementedError
+
+    def owned(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank holds, by memory category (zeroedu.memory.CATEGORIES)."""
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return {
+            "parameters": [p.data for p in self.params],
+            "master_weights": [p.data for p in self.master_pieces],
+            "optimizer_state": [v for v in state if v.dim() > 0],
+            "other": [v for v in state if v.dim() == 0] + list(self.module.buffers()),  # step counters, buffers
+        }
+
+    # -- the training step -------------------------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True during the backward and step of the last micro-step of an optimizer step."""
+        return (self.micro_step + 1) % self.accum == 0
+
+    @contextmanager
+    def _phase(self, name: str):
+        t0 = time.time()
+        with self.comm.in_phase(name):
+            yield
+        self.timeline.append((name, t0, time.time()))
+
+    def forward(self, *args, **kwargs):
+        with self._phase("forward"):
+            return self.module(*args, **kwargs)
+
+    __call__ = forward
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-step. The loss is divided by the accumulation steps (and scaled for fp16)."""
+        with self._phase("backward"):
+            self.before_backward()
+            (loss * (self.scaler.scale / self.accum)).backward()
+            self.after_backward()
+            self.wait()
+
+    def step(self) -> None:
+        """The optimizer step, at the accumulation boundary only (like DeepSpeed, call it every micro-step)."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_step += 1
+        if not boundary:
+            return
+        with self._phase("step"):
+            grads = self.grad_pieces()
+            norm_sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+            for g in grads:
+                norm_sq += g.float().pow(2).sum()
+            if self.sharded and self.world_size > 1:  # each rank holds part of the gradient
+                norm_sq = norm_sq.reshape(1)
+                self.comm.all_reduce(norm_sq, average=False, kind="scalar")
+            norm = math.sqrt(float(norm_sq.sum())) / self.scaler.scale
+            self.last_grad_norm = norm
+            overflow = not math.isfinite(norm)
+            if overflow:
+                self.skipped_steps += 1
+                self.comm.ledger.append(LedgerEntry(
+                    op="skipped_step", phase="step", kind="scalar", step=self.global_step, dtype="-", numel=0,
+                    group=self.comm.ranks, group_size=self.world_size, tensor_bytes=0, sent_bytes=0,
+                    sent_measured=True, impl="-", seconds=0.0, seq=-1, start=time.time()))
+            else:
+                coef = 1.0 / self.scaler.scale
+                clip = self.config.gradient_clipping
+                if clip > 0:
+                    coef *= min(1.0, clip / (norm + 1e-6))
+                for master, g in zip(self.master_pieces, grads, strict=True):
+                    if g.dtype == torch.float32 and coef == 1.0:
+                        master.grad = g
+                    else:
+                        master.grad = g.float().mul_(coef)
+                self.optimizer.step()
+                for master in self.master_pieces:
+                    master.grad = None
+                self.publish()
+            self.scaler.update(overflow)
+            self.zero_grads()
+            self.wait()
+        self.global_step += 1
+        self.comm.step = self.global_step
+
+    def train_batch(self, batch, loss_fn) -> float:
+        """One micro-step: forward, loss, backward, step. Returns the loss as a float."""
+        x, y = batch
+        loss = loss_fn(self(x), y)
+        self.backward(loss)
+        self.step()
+        return float(loss)
+
+    # -- overlap -----------------------------------------------------------------------------------------
+    def launch(self, fn) -> None:
+        """Run collectives (in a closure) on the comm thread if overlap_comm, else now."""
+        if self.overlap:
+            self._handles.append(self.comm.run_async(fn))
+        else:
+            fn()
+
+    def wait(self) -> None:
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.wait()
+
+    # -- measurement -------------------------------------------------------------------------------------
+    @property
+    def ledger(self):
+        return self.comm.ledger
+
+    @contextmanager
+    def track_memory(self):
+        """Measure live bytes by category over the enclosed step; the result is `engine.memory()["peak"]`."""
+        tracker = PeakTracker(self._owned_now, lambda: self.comm.phase)
+        if torch.cuda.is_available() and self.params and self.params[0].is_cuda:
+            torch.cuda.reset_peak_memory_stats()
+        with tracker:
+            yield tracker
+        self.last_peak = tracker
+
+    def _owned_now(self) -> dict[str, list[torch.Tensor]]:
+        return self.owned()
+
+    def memory(self) -> dict:
+        """Bytes on this rank by category, measured from the tensors held now, plus the last tracked peak."""
+        res = resident(self.owned())
+        report = {
+            "resident": res,
+            "model_states": sum(res.get(c, 0) for c in MODEL_STATES),
+            "peak": dict(self.last_peak.peak) if self.last_peak else None,
+            "peak_total": self.last_peak.peak_total if self.last_peak else None,
+            "peak_phase": self.last_peak.peak_phase if self.last_peak else None,
+            "device": "cpu" if not (self.params and self.params[0].is_cuda) else "cuda",
+        }
+        if report["device"] == "cuda":
+            report["cuda_allocated"] = torch.cuda.memory_allocated()
+            report["cuda_peak"] = torch.cuda.max_memory_allocated()
+        return report
+
+    # -- full weights (tests, checkpoints, notebooks) ------------------------------------------------------
+    def master_full(self) -> torch.Tensor:
+        """The fp32 master weights of the whole model as one flat tensor in layout order (every rank)."""
+        raise NotImplementedError
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """{parameter name: fp32 tensor}, the whole model, gathered if it is sharded."""
+        full = self.master_full()
+        return {self.names[p]: v.clone() for p, v in zip(self.layout.params, self.layout.param_views(full),
+                                                             strict=True)}
+
+    def parameters(self) -> Iterable[torch.nn.Parameter]:
+        return self.module.parameters()
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)

@@ -1,0 +1,844 @@
+"""Start N ranks from a notebook cell, a script or torchrun; bring their results back; surface failures.
+
+`launch(fn, world_size)` runs `fn(rank, world_size, *args, **kwargs)` in `world_size` processes that share one
+torch.distributed process group, and returns what each rank returned, as a list indexed by rank. Under torchrun
+(RANK and WORLD_SIZE already in the environment) it runs fn in this process and gathers the results instead, so
+the same script works on one laptop and on several nodes.
+
+Why it is built this way:
+- fn travels by value (cloudpickle), so a function defined in a notebook cell or in `__main__` works;
+  torch.multiprocessing.spawn pickles such functions by reference and fails.
+- Ranks are forked from a multiprocessing forkserver that has already imported torch. A fresh interpreter
+  spends ~2 s importing torch, which "spawn" pays for every rank of every launch; the forkserver pays it once
+  per notebook kernel. The forkserver is a fresh single-threaded process, so the kernel itself (threads, CUDA)
+  is never forked.
+- The rendezvous store lives in the parent, on a socket the parent bound to 127.0.0.1 itself: nothing listens
+  beyond loopback and there is no race for a free port. Gloo is pinned to the loopback interface too.
+- Each rank writes what it is doing into a small shared-memory slot (`report_status`, called by the comm layer
+  around every collective). The parent watches the slots and turns mismatched collectives and hangs into errors
+  that name the ranks, with every rank's Python stack (faulthandler), instead of a notebook cell that never ends.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import faulthandler
+import json
+import linecache
+import mmap
+import multiprocessing as mp
+import os
+import re
+import shutil
+import signal
+import socket
+import struct
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+__all__ = ["CollectiveMismatchError", "LaunchError", "RankError", "RankHangError", "in_launched_rank",
+           "init_distributed", "launch", "report_status"]
+
+MEMORY_PER_RANK_GB = 0.5    # rough resident size of one rank process (torch + gloo + a tiny model)
+START_TIMEOUT = 60.0        # seconds for every rank to start and join the process group
+MISMATCH_SECONDS = 1.0      # two ranks stuck in different collectives this long: a mismatch, not a lag
+KILL_GRACE = 1.0            # seconds between SIGTERM and SIGKILL when stopping ranks
+STACK_WAIT = 0.5            # seconds to wait for faulthandler stack dumps
+POLL = 0.1                  # seconds between looks at the status slots
+# forkserver where the platform has it (Linux, macOS); ZEROEDU_START_METHOD=spawn to compare.
+START_METHOD = os.environ.get("ZEROEDU_START_METHOD") or (
+    "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+
+_SLOT_BYTES = 1024          # per rank: u32 version, u32 length, JSON status
+_HISTORY = 3                # collectives remembered per group, to tell a lagging rank from a mismatched one
+_TAIL_LINES = 30
+_P2P_OPS = {"send", "recv"}  # point-to-point: ranks legitimately run different ops
+
+
+# -- errors -------------------------------------------------------------------------------------------------
+
+class LaunchError(RuntimeError):
+    """launch() could not start the ranks, or a rank failed, hung, or called mismatched collectives."""
+
+
+class RankError(LaunchError):
+    """A rank raised an exception or died; `.rank` is that rank, `.traceback` its traceback text."""
+
+    def __init__(self, message: str, rank: int, traceback: str = "", exitcode: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.traceback = traceback
+        self.exitcode = exitcode
+
+
+class CollectiveMismatchError(LaunchError):
+    """Ranks of one group wait in different collectives (or one left): the program would deadlock."""
+
+    def __init__(self, message: str, statuses: dict[int, str]) -> None:
+        super().__init__(message)
+        self.statuses = statuses
+
+
+class RankHangError(LaunchError):
+    """A rank waited in a collective longer than hang_timeout, or launch() exceeded its timeout."""
+
+    def __init__(self, message: str, statuses: dict[int, str], stacks: dict[int, str], culprits: list[int]) -> None:
+        super().__init__(message)
+        self.statuses = statuses
+        self.stacks = stacks
+        self.culprits = culprits
+
+
+# -- status slots (shared memory) ---------------------------------------------------------------------------
+
+class _Slots:
+    """One fixed-size slot per rank in a shared file mapping. Each slot has one writer (its rank) and one
+    reader (the parent); a version counter that is odd while a write is in progress lets the reader skip
+    torn reads."""
+
+    def __init__(self, path: str, world_size: int, create: bool) -> None:
+        size = world_size * _SLOT_BYTES
+        if create:
+            with open(path, "wb") as f:
+                f.truncate(size)
+        self._file = open(path, "r+b")  # noqa: SIM115 -- lives as long as the mapping
+        self._map = mmap.mmap(self._file.fileno(), size)
+
+    def write(self, rank: int, data: bytes) -> None:
+        base = rank * _SLOT_BYTES
+        (version,) = struct.unpack_from("<I", self._map, base)
+        struct.pack_into("<I", self._map, base, version + 1)
+        struct.pack_into(f"<I{len(data)}s", self._map, base + 4, len(data), data)
+        struct.pack_into("<I", self._map, base, version + 2)
+
+    def read(self, rank: int) -> dict | None:
+        base = rank * _SLOT_BYTES
+        for _ in range(100):
+            version, n = struct.unpack_from("<II", self._map, base)
+            data = bytes(self._map[base + 8:base + 8 + n])
+            if version % 2 == 0 and struct.unpack_from("<I", self._map, base)[0] == version:
+                return json.loads(data) if n else None
+            time.sleep(0.0001)
+        return None
+
+    def close(self) -> None:
+        self._map.close()
+        self._file.close()
+
+
+class _RankContext:
+    """What this rank tells the parent: its current status and the last few collectives done per group."""
+
+    def __init__(self, rank: int, slots: _Slots) -> None:
+        self.rank = rank
+        self.slots = slots
+        self.lock = threading.Lock()  # the comm thread and the main thread both report
+        self.status = "starting"
+        self.done: dict[str, list[list]] = {}  # group key -> [[seq, sig, time], ...] newest last
+
+    def set(self, status: str) -> None:
+        with self.lock:
+            self.status = status
+            self._write()
+
+    def report(self, text: str | None) -> None:
+        parts = text.split("|", 3) if text else []
+        with self.lock:
+            if text is None:
+                self.status = "running"
+            elif len(parts) == 4 and parts[0] in ("waiting", "done") and parts[2].lstrip("-").isdigit():
+                if parts[0] == "waiting":
+                    self.status = text
+                else:
+                    history = self.done.setdefault(parts[1], [])
+                    history.append([int(parts[2]), parts[3], time.time()])
+                    del history[:-_HISTORY]
+                    self.status = "running"
+            else:
+                self.status = "running: " + text
+            self._write()
+
+    def _write(self) -> None:
+        state = {"s": self.status[:300], "t": time.time(), "d": self.done, "full": True}
+        data = json.dumps(state, separators=(",", ":")).encode()
+        if len(data) > _SLOT_BYTES - 8:  # many groups: keep only the newest collective of each
+            state["d"] = {k: v[-1:] for k, v in self.done.items()}
+            data = json.dumps(state, separators=(",", ":")).encode()
+        while len(data) > _SLOT_BYTES - 8 and state["d"]:  # still too long: forget groups, and say so
+            state["d"].pop(next(iter(state["d"])))
+            state["full"] = False
+            data = json.dumps(state, separators=(",", ":")).encode()
+        self.slots.write(self.rank, data)
+
+
+_CONTEXT: _RankContext | None = None   # set inside a rank started by launch()
+_SINGLE_STORE: tuple | None = None     # keeps init_distributed's loopback store alive
+
+
+def in_launched_rank() -> bool:
+    """True inside a rank process started by launch()."""
+    return _CONTEXT is not None
+
+
+def report_status(text: str | None) -> None:
+    """Tell the launcher what this rank is doing; a cheap no-op outside launch().
+
+    The comm layer calls `report_status(f"waiting|{group_key}|{seq}|{op} {dtype}[{numel}] ({phase})")` when it
+    enters a collective and the same with "done|" after it; group_key names the group by its global ranks
+    ("0,1,2,3") and seq counts that group's collectives on this rank. None means "running user code"; any other
+    text is shown as-is in hang reports.
+    """
+    ctx = _CONTEXT
+    if ctx is not None:
+        ctx.report(text)
+
+
+# -- what the parent reads from the slots --------------------------------------------------------------------
+
+class _View:
+    """One rank as the parent sees it: its slot and whether its process is alive or returned."""
+
+    def __init__(self, rank: int, state: dict | None, returned: bool, exitcode: int | None) -> None:
+        self.rank = rank
+        self.state = state
+        self.returned = returned
+        self.exitcode = exitcode
+        self.waiting: tuple[str, int, str] | None = None
+        if state is not None and state["s"].startswith("waiting|"):
+            _, key, seq, sig = state["s"].split("|", 3)
+            self.waiting = (key, int(seq), sig)
+
+    def waited(self, now: float) -> float:
+        return now - self.state["t"] if self.waiting else 0.0
+
+    def history(self, key: str) -> list[list]:
+        return (self.state or {}).get("d", {}).get(key, [])
+
+    def knows_all_groups(self) -> bool:
+        return bool((self.state or {}).get("full", True))
+
+
+def _same(sig_a: str, sig_b: str) -> bool:
+    """Same collective: op, dtype and numel agree (the phase is only a label)."""
+    return sig_a.rsplit(" (", 1)[0] == sig_b.rsplit(" (", 1)[0]
+
+
+def _op(sig: str) -> str:
+    return sig.split(" ", 1)[0]
+
+
+def _members(key: str, views: list[_View]) -> list[int]:
+    """Global ranks of a group: from its key "0,1,2,3", else every rank that ever used that key."""
+    try:
+        return [int(r) for r in key.split(",")]
+    except ValueError:
+        return [v.rank for v in views if v.history(key) or (v.waiting and v.waiting[0] == key)]
+
+
+def _describe(v: _View, now: float) -> str:
+    if v.state is None:
+        text = "not started (its process has not reached zeroedu's rank entry point)"
+    elif v.waiting:
+        key, seq, sig = v.waiting
+        text = f"waiting in {sig}, collective #{seq} of group {key}, for {now - v.state['t']:.1f} s"
+    elif v.state["s"] == "starting":
+        text = f"joining the process group for {now - v.state['t']:.1f} s"
+    elif v.state["s"] == "returned" or v.returned:
+        text = "returned from fn"
+    else:
+        note = v.state["s"].removeprefix("running").removeprefix(": ")
+        text = f"running user code, not in a collective, for {now - v.state['t']:.1f} s" + (
+            f" ({note})" if note else "")
+    done = [(h[2], key, h[0], h[1]) for key, hist in (v.state or {}).get("d", {}).items() for h in hist[-1:]]
+    if done:
+        _, key, seq, sig = max(done)
+        text += f"; last collective done: {sig}, #{seq} of group {key}"
+    elif v.state is not None:
+        text += "; no collective done yet"
+    if v.exitcode is not None and not v.returned:
+        text += f"; process exited ({_exit_text(v.exitcode)})"
+    return text
+
+
+def _find_mismatch(views: list[_View], now: float) -> str | None:
+    """Return why ranks can never meet, or None. Only definite cases: the seq counters let us tell a rank that
+    is merely behind (it will finish the collective the others already did) from one in a different one."""
+    waiters = [v for v in views if v.waiting and v.waited(now) >= MISMATCH_SECONDS]
+    for a in waiters:
+        key, seq, sig = a.waiting
+        if _op(sig) in _P2P_OPS:
+            continue
+        for b in waiters:
+            if b.rank == a.rank or b.waiting[0] != key or _op(b.waiting[2]) in _P2P_OPS:
+                continue
+            b_seq, b_sig = b.waiting[1:]
+            if b_seq == seq and not _same(sig, b_sig) and a.rank < b.rank:
+                return f"ranks {a.rank} and {b.rank} are both at collective #{seq} of group {key}, but rank " \
+                       f"{a.rank} is in {sig} and rank {b.rank} in {b_sig}"
+            if b_seq > seq:  # b is ahead: what did b run as collective #seq?
+                ran = [h[1] for h in b.history(key) if h[0] == seq]
+                if ran and not _same(ran[0], sig):
+                    return f"rank {a.rank} waits in {sig} as collective #{seq} of group {key}, but rank " \
+                           f"{b.rank} ran {ran[0]} as #{seq} and has moved on to {b_sig} (#{b_seq})"
+        for m in _members(key, views):
+            left = views[m] if 0 <= m < len(views) else None
+            if left is None or m == a.rank or not (left.returned or left.state and left.state["s"] == "returned"):
+                continue
+            history = left.history(key)
+            last = history[-1][0] if history else 0
+            ran = [h[1] for h in history if h[0] == seq]
+            if ran and not _same(ran[0], sig):
+                return f"rank {a.rank} waits in {sig} as collective #{seq} of group {key}, but rank {m} ran " \
+                       f"{ran[0]} as #{seq} and then returned from fn"
+            if last < seq and (history or left.knows_all_groups()):
+                done = f"its last collective on that group was #{last} {history[-1][1]}" if history else \
+                    "it never ran a collective on that group"
+                return f"rank {m} returned from fn while rank {a.rank} waits in {sig}, collective #{seq} of " \
+                       f"group {key}, which contains rank {m} ({done})"
+    return None
+
+
+def _holdouts(views: list[_View]) -> dict[int, str]:
+    """Ranks that keep a waiting rank waiting: members of its group that are not in the same collective."""
+    culprits: dict[int, str] = {}
+    for a in views:
+        if not a.waiting:
+            continue
+        key, seq, sig = a.waiting
+        for m in _members(key, views):
+            if m == a.rank or not 0 <= m < len(views) or m in culprits:
+                continue
+            b = views[m]
+            if b.waiting and b.waiting[0] == key and b.waiting[1] == seq and _same(b.waiting[2], sig):
+                continue
+            if b.waiting:
+                why = f"it waits in {b.waiting[2]} (#{b.waiting[1]} of group {b.waiting[0]}) instead"
+            elif b.state is None or b.state["s"] == "starting":
+                why = "it never joined the process group"
+            elif b.returned or b.state["s"] == "returned":
+                why = "it returned from fn"
+            else:
+                why = "it is running user code, not in any collective"
+            culprits[m] = f"rank {a.rank} waits for it in {sig} (#{seq} of group {key}); {why}"
+    return culprits
+
+
+# -- text helpers --------------------------------------------------------------------------------------------
+
+_FRAME = re.compile(r'^(\s*)File "(.+)", line (\d+)(,?) in ')
+
+
+def _with_source(text: str) -> str:
+    """Add source lines to traceback/faulthandler frames from the parent's linecache. faulthandler prints no
+    source at all, and a rank has no source for functions defined in notebook cells, but the kernel does."""
+    lines = text.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        out.append(line)
+        m = _FRAME.match(line)
+        if not m:
+            continue
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        if m.group(4) and nxt.startswith(m.group(1) + "  ") and not _FRAME.match(nxt):
+            continue  # a traceback frame that already shows its source
+        src = linecache.getline(m.group(2), int(m.group(3))).strip()
+        if src:
+            out.append(f"{m.group(1)}    {src}")
+    return "\n".join(out)
+
+
+def _tail(path: str, n: int = _TAIL_LINES) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+
+def _exit_text(code: int) -> str:
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = {"SIGKILL": " -- the kernel's out-of-memory killer does this: try a smaller model or world_size",
+            "SIGSEGV": " -- a crash in native code", "SIGBUS": " -- a crash in native code"}.get(name, "")
+    return f"killed by {name}{hint}"
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in text.splitlines())
+
+
+# -- checks before anything starts ---------------------------------------------------------------------------
+
+def _check_world_size(world_size: Any) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1 (the number of ranks), got {world_size!r}")
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _choose_backend(backend: str, local_ranks: int) -> str:
+    """'auto' is NCCL when this machine has a GPU for every local rank, else gloo."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    gpus = _gpus()
+    if backend == "auto":
+        return "nccl" if gpus >= local_ranks else "gloo"
+    if backend == "nccl" and gpus < local_ranks:
+        fix = f"Use world_size <= {gpus} or backend='gloo' (CPU)." if gpus else "Use backend='gloo' (CPU)."
+        raise LaunchError(f"backend='nccl' needs one GPU per rank: {local_ranks} rank(s) on this machine but "
+                          f"{gpus} GPU(s) visible. {fix}")
+    return backend
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_memory(world_size: int) -> None:
+    available = _mem_available()
+    need = world_size * MEMORY_PER_RANK_GB * 2**30
+    if available is not None and need > available:
+        fits = max(1, int(available // (MEMORY_PER_RANK_GB * 2**30)))
+        raise LaunchError(
+            f"world_size={world_size} is more ranks than this machine can start: each rank is a process of "
+            f"about {MEMORY_PER_RANK_GB} GB (an estimate), {need / 2**30:.0f} GB in all, but only "
+            f"{available / 2**30:.1f} GB is available (MemAvailable in /proc/meminfo). Use world_size <= {fits}; "
+            "for more ranks use several machines with torchrun.")
+
+
+def _loopback_interface() -> str:
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    return next((n for n in names if n.startswith("lo")), "lo")
+
+
+# -- the rank process ----------------------------------------------------------------------------------------
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent dies (no orphans when a notebook kernel dies)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+def _watch_parent(conn: Connection, release: threading.Event) -> None:
+    """The parent holds the other end of conn: EOF means it died (the forkserver, our OS-level parent, may
+    outlive it), so exit. A "release" message means every rank returned and this one may leave."""
+    try:
+        if conn.recv() == "release":
+            release.set()
+            return
+    except (EOFError, OSError):
+        pass
+    os._exit(1)
+
+
+def _rank_main(rank: int, world_size: int, port: int, backend: str, conn: Connection, run_dir: str,
+               payload: bytes, env: dict[str, str], sys_path: list[str], cwd: str, pg_timeout: float | None,
+               start_timeout: float) -> None:
+    global _CONTEXT
+    _die_with_parent()
+    # Capture output at the file-descriptor level, so gloo's C++ messages land in the files too.
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        log = os.open(os.path.join(run_dir, f"rank{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(log, fd)
+        os.close(log)
+    sys.stdout = open(1, "w", buffering=1, closefd=False, errors="replace")  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="replace")  # noqa: SIM115
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # segfaults print a Python stack
+    stack_file = open(os.path.join(run_dir, f"rank{rank}.stack"), "w")  # noqa: SIM115 -- open until exit
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+
+    # The forkserver was started earlier, with the environment of that moment: use the parent's current one.
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())  # gloo listens on loopback only
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", _loopback_interface())
+    sys.path[:] = sys_path
+    try:
+        os.chdir(cwd)
+    except OSError:
+        pass
+
+    release = threading.Event()
+    threading.Thread(target=_watch_parent, args=(conn, release), name="zeroedu-parent-watch", daemon=True).start()
+    _CONTEXT = _RankContext(rank, _Slots(os.path.join(run_dir, "status"), world_size, create=False))
+    _CONTEXT.set("starting")
+    try:
+        fn, args, kwargs = cloudpickle.loads(payload)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # 4 ranks on 2 cores: 1 thread each
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=datetime.timedelta(seconds=start_timeout))
+        kw = {"timeout": datetime.timedelta(seconds=pg_timeout)} if pg_timeout else {}
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kw)
+        _CONTEXT.set("running")
+        result = fn(rank, world_size, *args, **kwargs)
+        try:
+            data = cloudpickle.dumps(result)
+        except Exception as e:
+            raise TypeError(f"the return value of fn ({type(result).__name__}) cannot be pickled to send it back "
+                            f"to the parent: {e}. Return plain data: numbers, lists, dicts, CPU tensors.") from e
+    except BaseException as e:
+        tb = traceback.format_exc()
+        sys.stderr.flush()
+        try:
+            conn.send(("error", time.time(), type(e).__name__, str(e), tb))
+        except OSError:
+            pass
+        sys.stdout.flush()
+        os._exit(1)
+    _CONTEXT.set("returned")
+    conn.send(("ok", time.time(), data))
+    release.wait()  # stay until every rank returned: no rank leaves a collective its peers are still finishing
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# -- the parent ----------------------------------------------------------------------------------------------
+
+def _mp_context() -> mp.context.BaseContext:
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(["torch"])  # only takes effect when the forkserver starts
+    return ctx
+
+
+class _Run:
+    """One launch: start the ranks, watch them, collect results or raise, and always clean up."""
+
+    def __init__(self, fn: Callable, world_size: int, payload: bytes, backend: str, timeout: float | None,
+                 hang_timeout: float | None) -> None:
+        self.fn_name = getattr(fn, "__qualname__", repr(fn))
+        self.world_size = world_size
+        self.payload = payload
+        self.backend = backend
+        self.timeout = timeout
+        self.hang_timeout = hang_timeout
+        self.procs: list = []
+        self.conns: list[Connection] = []
+
+    def run(self) -> list:
+        self.dir = tempfile.mkdtemp(prefix="zeroedu-launch-")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        slots = None
+        try:
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(self.world_size + 8)
+            port = sock.getsockname()[1]
+            store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841
+                                  master_listen_fd=sock.fileno())
+            self.slots = slots = _Slots(os.path.join(self.dir, "status"), self.world_size, create=True)
+            self._start(port)
+            return self._monitor()
+        finally:
+            self._stop()
+            for c in self.conns:
+                c.close()
+            if slots is not None:
+                slots.close()
+            sock.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _start(self, port: int) -> None:
+        ctx = _mp_context()
+        start_timeout = min(START_TIMEOUT, self.timeout or START_TIMEOUT)
+        pg_timeout = self.timeout + START_TIMEOUT if self.timeout else None
+        env, path, cwd = dict(os.environ), list(sys.path), os.getcwd()
+        self.t0 = time.time()
+        for rank in range(self.world_size):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=_rank_main, name=f"zeroedu-rank{rank}", args=(
+                rank, self.world_size, port, self.backend, child_end, self.dir, self.payload, env, path, cwd,
+                pg_timeout, start_timeout))
+            try:
+                p.start()
+            except Exception as e:
+                raise LaunchError(f"could not start rank {rank}: {type(e).__name__}: {e}") from e
+            finally:
+                child_end.close()
+            self.procs.append(p)
+            self.conns.append(parent_end)
+
+    def _stop(self) -> None:
+        """SIGTERM every rank still alive, SIGKILL after a short grace, and reap them all."""
+        alive = [p for p in self.procs if p.is_alive()]
+        for p in alive:
+            p.terminate()
+        deadline = time.monotonic() + KILL_GRACE
+        for p in alive:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in alive:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+
+    def _views(self, results: dict) -> list[_View]:
+        return [_View(r, self.slots.read(r), r in results, self.procs[r].exitcode) for r in range(self.world_size)]
+
+    def _monitor(self) -> list:
+        results: dict[int, bytes] = {}
+        open_conns = dict(enumerate(self.conns))
+        alive = {p.sentinel: r for r, p in enumerate(self.procs)}
+        while len(results) < self.world_size:
+            ready = set(wait(list(open_conns.values()) + list(alive), timeout=POLL))
+            errors, died = [], []
+            for rank, conn in list(open_conns.items()):
+                if conn not in ready and self.procs[rank].sentinel not in ready:
+                    continue
+                try:
+                    while conn.poll():
+                        msg = conn.recv()
+                        if msg[0] == "ok":
+                            results[rank] = msg[2]
+                        else:
+                            errors.append((msg[1], rank, msg))
+                except (EOFError, OSError):
+                    del open_conns[rank]
+            for sentinel in ready & set(alive):
+                rank = alive.pop(sentinel)
+                self.procs[rank].join(0)
+                if rank not in results and not any(e[1] == rank for e in errors):
+                    died.append(rank)
+            if errors:  # the first to fail is the cause; later errors are usually peers losing it
+                _, rank, (_, _, exc_type, exc_msg, tb) = min(errors)
+                raise self._rank_error(rank, exc_type, exc_msg, tb)
+            if died:
+                raise self._died_error(died[0])
+            if len(results) < self.world_size:
+                self._check(results)
+        for conn in self.conns:
+            try:
+                conn.send("release")
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        out = []
+        for rank in range(self.world_size):
+            try:
+                out.append(cloudpickle.loads(results[rank]))
+            except Exception as e:
+                raise LaunchError(f"rank {rank} returned a value this process cannot unpickle: "
+                                  f"{type(e).__name__}: {e}") from e
+        return out
+
+    # -- failures --
+    def _stderr(self, rank: int) -> str:
+        tail = _tail(os.path.join(self.dir, f"rank{rank}.stderr"))
+        return f"\n\nLast lines of rank {rank}'s stderr:\n{_indent(tail)}" if tail.strip() else ""
+
+    def _rank_error(self, rank: int, exc_type: str, exc_msg: str, tb: str) -> RankError:
+        tb = _with_source(tb)
+        msg = (f"rank {rank} of {self.world_size} raised {exc_type}: {exc_msg}\n\n"
+               f"Traceback from rank {rank}:\n{_indent(tb.rstrip())}{self._stderr(rank)}\n\n"
+               f"The other ranks were stopped.")
+        return RankError(msg, rank, tb)
+
+    def _died_error(self, rank: int) -> RankError:
+        code = self.procs[rank].exitcode
+        state = self.slots.read(rank)
+        hint = ""
+        if state is None:
+            hint = ("\nIt died before reaching zeroedu's rank entry point. If fn lives in a script, put the "
+                    "script's launch() call under `if __name__ == \"__main__\":` -- every rank imports the script.")
+        msg = (f"rank {rank} of {self.world_size} died without raising an exception: {_exit_text(code)}."
+               f"{hint}{self._stderr(rank)}\n\nThe other ranks were stopped.")
+        return RankError(msg, rank, "", code)
+
+    def _check(self, results: dict) -> None:
+        now = time.time()
+        views = self._views(results)
+        not_joined = [v.rank for v in views if v.state is None or v.state["s"] == "starting"]
+        if not_joined and now - self.t0 > min(START_TIMEOUT, self.timeout or START_TIMEOUT):
+            lines = "\n".join(f"  rank {v.rank}: {_describe(v, now)}" for v in views)
+            tails = "".join(self._stderr(r) for r in not_joined)
+            raise LaunchError(
+                f"rank(s) {', '.join(map(str, not_joined))} did not start and join the process group within "
+                f"{now - self.t0:.1f} s:\n{lines}{tails}\n\nThe machine may be overloaded (too many ranks for its "
+                f"cores or memory): try a smaller world_size.")
+        why = _find_mismatch(views, now)
+        if why:
+            statuses = {v.rank: _describe(v, now) for v in views}
+            lines = "\n".join(f"  rank {r}: {s}" for r, s in statuses.items())
+            raise CollectiveMismatchError(
+                f"collective mismatch: {why}. This would deadlock.\nStatus of every rank:\n{lines}\n\n"
+                "Every rank of a group must call the same collectives in the same order with the same dtype and "
+                "size. Look for a collective under `if rank == ...`, or a loop that runs a different number of "
+                "times on different ranks.", statuses)
+        stuck = [v for v in views if v.waiting and self.hang_timeout is not None and v.waited(now) > self.hang_timeout]
+        if stuck:
+            v = max(stuck, key=lambda v: v.waited(now))
+            raise self._hang_error(views, f"rank {v.rank} waited in {v.waiting[2]} (#{v.waiting[1]} of group "
+                                          f"{v.waiting[0]}) for {v.waited(now):.1f} s > hang_timeout="
+                                          f"{self.hang_timeout} s")
+        if self.timeout is not None and now - self.t0 > self.timeout:
+            raise self._hang_error(views, f"launch({self.fn_name}) ran for {now - self.t0:.1f} s > "
+                                          f"timeout={self.timeout} s")
+
+    def _hang_error(self, views: list[_View], what: str) -> RankHangError:
+        now = time.time()
+        statuses = {v.rank: _describe(v, now) for v in views}
+        stacks = self._stacks()
+        culprits = _holdouts(views)
+        if culprits:
+            blame = "Likely culprit: " + "; ".join(f"rank {r} ({why})" for r, why in sorted(culprits.items()))
+        elif any(v.waiting for v in views):
+            blame = "Every rank waits in the same collective: look at the stacks below."
+        else:
+            blame = "No rank is in a collective: fn is slow or stuck in user code on every rank."
+        lines = "\n".join(f"  rank {r}: {s}" for r, s in statuses.items())
+        dumps = "\n".join(f"--- rank {r} ---\n{_indent(s or '(no stack: the process did not answer)')}"
+                          for r, s in stacks.items())
+        fix = "If a rank legitimately computes that long between collectives, raise hang_timeout (None: off)."
+        return RankHangError(f"ranks hung: {what}.\n{blame}\n\nStatus of every rank:\n{lines}\n\nPython stack of "
+                             f"every rank (faulthandler, most recent call first):\n{dumps}\n\n{fix}",
+                             statuses, stacks, sorted(culprits))
+
+    def _stacks(self) -> dict[int, str]:
+        """Ask every live rank for its Python stack (faulthandler prints it on SIGUSR1) and read the files."""
+        paths = {r: os.path.join(self.dir, f"rank{r}.stack") for r in range(self.world_size)}
+        alive = [r for r, p in enumerate(self.procs) if p.is_alive()]
+        for r in alive:
+            try:
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+            except OSError:
+                pass
+        deadline = time.monotonic() + STACK_WAIT
+        while time.monotonic() < deadline and not all(os.path.getsize(paths[r]) if os.path.exists(paths[r])
+                                                      else 0 for r in alive):
+            time.sleep(0.02)
+        time.sleep(0.05)  # let the last dump finish writing
+        return {r: _with_source(_tail(paths[r], 200)) for r in range(self.world_size)}
+
+
+# -- torchrun and single-process initialization --------------------------------------------------------------
+
+def init_distributed(backend: str = "auto") -> tuple[int, int]:
+    """Make sure the default process group exists and return (rank, world_size).
+
+    Already initialized: nothing to do. Under torchrun (RANK and WORLD_SIZE in the environment): join it with
+    env://; 'auto' picks NCCL when every local rank has a GPU (and selects GPU LOCAL_RANK). Otherwise: a world of
+    one process on gloo, over a store listening on 127.0.0.1 only.
+    """
+    global _SINGLE_STORE
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise LaunchError(f"RANK and WORLD_SIZE are set but {' and '.join(missing)} not: start the script with "
+                              "torchrun, or unset RANK and WORLD_SIZE to use zeroedu.launch(fn, world_size).")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+        backend = _choose_backend(backend, local_ranks)
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend, init_method="env://")
+        return dist.get_rank(), dist.get_world_size()
+    backend = "gloo" if backend == "auto" else _choose_backend(backend, 1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                          master_listen_fd=sock.fileno())
+    _SINGLE_STORE = (sock, store)
+    old = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())  # gloo's listener on loopback only
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    finally:
+        if old is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    return 0, 1
+
+
+def _launch_in_torchrun(fn: Callable, world_size: int, args: Sequence, kwargs: dict, backend: str) -> list:
+    env_world = int(os.environ["WORLD_SIZE"])
+    if world_size != env_world:
+        raise LaunchError(f"launch(world_size={world_size}) runs under torchrun with WORLD_SIZE={env_world}: torchrun "
+                          f"already started the ranks. Pass world_size={env_world}, or change torchrun's "
+                          "--nnodes/--nproc-per-node.")
+    created = not dist.is_initialized()
+    rank, size = init_distributed(backend)
+    result = fn(rank, size, *args, **kwargs)
+    gathered: list = [None] * size
+    dist.all_gather_object(gathered, result)
+    if created:
+        dist.destroy_process_group()
+    return gathered
+
+
+def launch(fn: Callable, world_size: int = 4, args: Sequence = (), kwargs: dict | None = None,
+           backend: str = "auto", timeout: float | None = 300.0, hang_timeout: float | None = 30.0) -> list:
+    """Run `fn(rank, world_size, *args, **kwargs)` on world_size ranks and return their results by rank.
+
+    Each rank is a process with the default process group initialized (gloo, or NCCL with a GPU per rank) and
+    destroyed after fn. fn may be defined in a notebook cell. Failures raise LaunchError subclasses:
+    RankError (a rank raised or died), CollectiveMismatchError (ranks in different collectives),
+    RankHangError (a rank waited in a collective longer than hang_timeout seconds, or the launch took longer
+    than timeout seconds); each names the ranks, and a hang shows every rank's Python stack.
+    Under torchrun no process is started: fn runs here and the results are gathered from every rank.
+    """
+    if _CONTEXT is not None:
+        raise LaunchError(f"launch() was called inside rank {_CONTEXT.rank}, which launch() started: ranks cannot "
+                          "start ranks. fn already runs on every rank; call the code directly, or call launch() "
+                          "from the notebook or the script's top level.")
+    _check_world_size(world_size)
+    kwargs = dict(kwargs or {})
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _launch_in_torchrun(fn, world_size, args, kwargs, backend)
+    backend = _choose_backend(backend, world_size)
+    _check_memory(world_size)
+    for name, value in (("timeout", timeout), ("hang_timeout", hang_timeout)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be a number of seconds > 0, or None for no limit; got {value!r}")
+    try:
+        payload = cloudpickle.dumps((fn, tuple(args), kwargs))
+    except Exception as e:
+        raise LaunchError(f"could not send fn and its arguments to the ranks: cloudpickle failed with "
+                          f"{type(e).__name__}: {e}. Pass picklable data (numbers, tensors, config dicts, file "
+                          "names), not open files, locks, generators or process groups.") from e
+    return _Run(fn, world_size, payload, backend, timeout, hang_timeout).run()
+
+
+# `zeroedu.launch` is this function once zeroedu/__init__.py imports it, so the module's other names are also
+# reachable as attributes of it: zeroedu.launch.report_status(...), zeroedu.launch.init_distributed().
+for _name in ("report_status", "init_distributed", "in_launched_rank", "LaunchError", "RankError",
+              "CollectiveMismatchError", "RankHangError"):
+    setattr(launch, _name, globals()[_name])
+del _name

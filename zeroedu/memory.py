@@ -1,0 +1,121 @@
+"""Bytes per rank by category, measured from live tensors.
+
+Two measurements, neither computed from a formula:
+- `resident(owned)`: walk the tensors the engine holds, by category, and add up the bytes of their storages
+  (each storage once, so views and aliases are not double counted).
+- `PeakTracker`: a TorchDispatchMode that sees every tensor an operator creates. It keeps a weak reference
+  to each storage, so it knows which are still alive after every operator, and records the highest total
+  and what it was made of. Storages the engine owns are labelled with the engine's category (gradient,
+  gathered parameters, bucket ...); anything else is labelled by when it was made: "activations" in
+  forward, "temporaries" in backward and step. On CUDA the allocator's own peak is reported next to it.
+
+Ring temporaries made on the comm thread (one chunk at a time) are not seen by the tracker.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_state", "buckets",
+              "gathered_parameters", "activations", "temporaries", "other")
+MODEL_STATES = ("parameters", "gradients", "master_weights", "optimizer_state")
+
+
+def storage_key(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return (st.data_ptr(), st.nbytes())
+
+
+def resident(owned: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
+    """Bytes of the storages behind `owned` tensors, per category; a storage counts once, first category wins."""
+    seen: set[int] = set()
+    out = dict.fromkeys(owned, 0)
+    for cat, tensors in owned.items():
+        for t in tensors:
+            if t is None or not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            if st.nbytes() == 0 or st.data_ptr() in seen:
+                continue
+            seen.add(st.data_ptr())
+            out[cat] += st.nbytes()
+    return out
+
+
+class PeakTracker(TorchDispatchMode):
+    """Live bytes after every operator, by category; the peak and its breakdown.
+
+    `owned()` returns the engine's tensors by category at the moment of asking; `phase()` returns the
+    current phase ("forward", "backward", "step").
+    """
+
+    def __init__(self, owned: Callable[[], dict[str, Iterable[torch.Tensor]]], phase: Callable[[], str]) -> None:
+        super().__init__()
+        self._owned = owned
+        self._phase = phase
+        self.live: dict[StorageWeakRef, tuple[int, str]] = {}
+        self.peak_total = 0
+        self.peak: dict[str, int] = {}
+        self.peak_phase = ""
+        self._labels: dict[int, str] = {}
+
+    def _label_owned(self) -> None:
+        self._labels = {}
+        for cat, tensors in self._owned().items():
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                    self._labels.setdefault(t.untyped_storage().data_ptr(), cat)
+
+    def _add(self, t: torch.Tensor, default: str) -> None:
+        st = t.untyped_storage()
+        if st.nbytes() == 0:
+            return
+        ref = StorageWeakRef(st)
+        if ref not in self.live:
+            self.live[ref] = (st.nbytes(), default, st.data_ptr())
+
+    def __enter__(self):
+        for tensors in self._owned().values():
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    self._add(t, "other")
+        self._snapshot()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        phase = self._phase()
+        default = "activations" if phase == "forward" else "temporaries"
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._add(t, default)
+        self._snapshot()
+        return out
+
+    def _snapshot(self) -> None:
+        for ref in [r for r in self.live if r.expired()]:
+            del self.live[ref]
+        total = sum(v[0] for v in self.live.values())
+        if total > self.peak_total:
+            self.peak_total = total
+            self.peak_phase = self._phase()
+            self._label_owned()
+            by: dict[str, int] = defaultdict(int)
+            for nbytes, default, ptr in self.live.values():
+                by[self._labels.get(ptr, default)] += nbytes
+            self.peak = dict(by)
+
+    def current(self) -> int:
+        self._snapshot()
+        return sum(v[0] for v in self.live.values())
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of distinct storages behind some tensors (a convenience for notebooks and tests)."""
+    return resident({"x": list(tensors)})["x"]

@@ -1,0 +1,132 @@
+"""The models the course trains, and deterministic synthetic data.
+
+TinyGPT is a small decoder-only transformer whose output head shares its weight with the token embedding
+(weight tying, as in GPT-2): the one parameter is used at the start and at the end of every forward, which
+is exactly the case a ZeRO-3 implementation must get right. The MLP is the simplest model with several
+layers. Both build the same weights on every rank from a seed, and the data is a function of (seed, step),
+so every stage and every world size sees the same global batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TinyGPTConfig:
+    vocab_size: int = 128
+    seq_len: int = 32
+    d_model: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TinyGPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        # No bias: a key bias gets a gradient that is exactly zero in theory (softmax ignores a shift),
+        # i.e. pure rounding noise that Adam would blow up into full-size steps.
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        # A buffer, not a parameter: ZeRO never partitions buffers.
+        self.register_buffer("mask", torch.tril(torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.n_head)
+        att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(dim=-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TinyGPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, cfg: TinyGPTConfig | None = None, seed: int = 0) -> None:
+        super().__init__()
+        cfg = cfg or TinyGPTConfig()
+        self.cfg = cfg
+        torch.manual_seed(seed)
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Parameter(torch.randn(cfg.seq_len, cfg.d_model) * 0.02)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head.weight = self.wte.weight  # tied: one Parameter, two modules
+        for m in self.modules():
+            if isinstance(m, nn.Linear | nn.Embedding):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class MLP(nn.Module):
+    def __init__(self, sizes: tuple[int, ...] = (32, 64, 64, 10), seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:], strict=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def mlp_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.float(), targets)
+
+
+def gpt_batch(step: int, batch: int, cfg: TinyGPTConfig | None = None, seed: int = 1234):
+    """The global batch of one step: token sequences that follow a simple learnable rule, plus noise."""
+    cfg = cfg or TinyGPTConfig()
+    g = torch.Generator().manual_seed(seed * 100_003 + step)
+    start = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g)
+    stride = torch.randint(1, 4, (batch, 1), generator=g)
+    seq = (start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab_size
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def mlp_batch(step: int, batch: int, sizes: tuple[int, ...] = (32, 64, 64, 10), seed: int = 1234):
+    g = torch.Generator().manual_seed(seed * 100_003 + step)
+    x = torch.randn(batch, sizes[0], generator=g)
+    y = (x[:, : sizes[-1]].argmax(dim=1) + step) % sizes[-1]
+    return x, y
+
+
+def shard_batch(x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int, micro: int = 0,
+                accum: int = 1):
+    """Rank `rank`'s part of micro-step `micro`: the global batch is split into accum x world_size slices."""
+    n = x.shape[0] // (accum * world_size)
+    i = (micro * world_size + rank) * n
+    return x[i: i + n], y[i: i + n]

@@ -1,0 +1,10 @@
+"""One file per ZeRO stage; each adds one thing to the one before it."""
+
+from zeroedu.stages.stage0 import Stage0
+from zeroedu.stages.stage1 import Stage1
+from zeroedu.stages.stage2 import Stage2
+from zeroedu.stages.stage3 import Stage3
+
+STAGES = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
+
+__all__ = ["STAGES", "Stage0", "Stage1", "Stage2", "Stage3"]

@@ -1,0 +1,92 @@
+"""Stage 0: plain data parallelism, written from scratch.
+
+Every rank holds everything: parameters, gradients, fp32 master weights, optimizer state (16 bytes per
+parameter with mixed-precision Adam). Parameters and gradients live in flat buffers cut into buckets.
+During the backward of the last micro-step, a bucket is all-reduced as soon as its last gradient has
+arrived, while backward goes on computing the gradients of earlier layers (overlap). The all-reduce
+averages, so every rank ends with the gradient of the global batch and takes the same step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zeroedu.engine import Engine
+from zeroedu.flat import Bucket, FlatLayout
+
+
+class Stage0(Engine):
+    stage = 0
+
+    def setup(self) -> None:
+        zc = self.config.zero_optimization
+        self.layout = FlatLayout(self.params, self.world_size, zc.reduce_bucket_size)
+        self.flat_params = self.layout.flatten([p.data for p in self.layout.params])
+        for p, view in zip(self.layout.params, self.layout.param_views(self.flat_params), strict=True):
+            p.data = view
+        self._bucket_of = {p: b for b in self.layout.buckets for p in b.params}
+        self._waiting: dict[int, int] = {}
+        self._reduced: set[int] = set()
+        self.setup_gradients()
+        self.master_pieces = [torch.nn.Parameter(t) for t in self.master_source()]
+        for p in self.layout.params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    # Where gradients live: a flat buffer whose views are the parameters' .grad, so autograd accumulates
+    # straight into the buckets and micro-steps add up in place.
+    def setup_gradients(self) -> None:
+        self.flat_grads = torch.zeros_like(self.flat_params)
+        for p, view in zip(self.layout.params, self.layout.param_views(self.flat_grads), strict=True):
+            p.grad = view
+
+    def master_source(self) -> list[torch.Tensor]:
+        """What the fp32 master pieces are: here every bucket, whole."""
+        src = self.flat_params if self.dtype == torch.float32 else self.flat_params.float()
+        self.flat_master = src
+        return [self.layout.bucket_view(src, b) for b in self.layout.buckets]
+
+    # -- backward ---------------------------------------------------------------------------------------
+    def reduces_this_micro_step(self) -> bool:
+        return self.is_gradient_accumulation_boundary()
+
+    def before_backward(self) -> None:
+        self._waiting = {b.index: len(b.params) for b in self.layout.buckets}
+        self._reduced = set()
+
+    def _grad_ready(self, p: torch.nn.Parameter) -> None:
+        if not self.reduces_this_micro_step():
+            return
+        b = self._bucket_of[p]
+        self._waiting[b.index] -= 1
+        if self._waiting[b.index] == 0:
+            self._reduced.add(b.index)
+            self.reduce_bucket(b)
+
+    def after_backward(self) -> None:
+        # Buckets with a parameter that got no gradient (unused in this forward) are reduced now, in bucket
+        # order, so that every rank runs the same collectives in the same order.
+        if self.reduces_this_micro_step():
+            for b in self.layout.buckets:
+                if b.index not in self._reduced:
+                    self.reduce_bucket(b)
+
+    def reduce_bucket(self, b: Bucket) -> None:
+        grads = self.layout.bucket_view(self.flat_grads, b)
+        self.launch(lambda: self.comm.all_reduce(grads, average=True, kind="grads"))
+
+    # -- step -------------------------------------------------------------------------------------------
+    def grad_pieces(self) -> list[torch.Tensor]:
+        return [self.layout.bucket_view(self.flat_grads, b) for b in self.layout.buckets]
+
+    def publish(self) -> None:
+        if self.flat_master is not self.flat_params:
+            self.flat_params.copy_(self.flat_master)
+
+    def zero_grads(self) -> None:
+        self.flat_grads.zero_()
+
+    def owned(self) -> dict[str, list[torch.Tensor]]:
+        return {**super().owned(), "gradients": [self.flat_grads]}
+
+    def master_full(self) -> torch.Tensor:
+        return self.flat_master.float()

@@ -1,0 +1,67 @@
+"""Stage 1 (P_os): partition the optimizer state.
+
+What changes from stage 0: each rank keeps fp32 master weights and Adam state for its own 1/N piece of every
+bucket only (12 bytes x Psi/N instead of 12 x Psi). So at the accumulation boundary a bucket is
+reduce-scattered instead of all-reduced: each rank receives just the averaged gradient of its piece, steps
+that piece, and an all-gather hands every rank the updated parameters. Reduce-scatter plus all-gather move
+the same bytes as one all-reduce (2 Psi), so the memory saving costs no extra communication.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zeroedu.flat import Bucket
+from zeroedu.stages.stage0 import Stage0
+
+
+class Stage1(Stage0):
+    stage = 1
+    sharded = True
+
+    def master_source(self) -> list[torch.Tensor]:
+        """The master pieces are this rank's piece of each bucket, as one contiguous fp32 shard."""
+        self.param_shard_views = [self.layout.piece_of_full(self.flat_params, b, self.rank)
+                                  for b in self.layout.buckets]
+        if self.dtype == torch.float32:   # the fp32 parameters are the master weights
+            self.master_shard = None
+            return self.param_shard_views
+        self.master_shard = self.layout.shard_of(self.flat_params, self.rank).float()
+        return [self.layout.piece_of_shard(self.master_shard, b) for b in self.layout.buckets]
+
+    def setup_gradients(self) -> None:
+        super().setup_gradients()
+        self.grad_shard: torch.Tensor | None = None
+
+    def before_backward(self) -> None:
+        super().before_backward()
+        # The reduced gradient of this rank's pieces exists only from the last backward to the step.
+        if self.reduces_this_micro_step():
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype)
+
+    def reduce_bucket(self, b: Bucket) -> None:
+        grads = self.layout.bucket_view(self.flat_grads, b)
+        out = self.layout.piece_of_shard(self.grad_shard, b)
+        self.launch(lambda: self.comm.reduce_scatter(out, grads, average=True, kind="grads"))
+
+    def grad_pieces(self) -> list[torch.Tensor]:
+        return [self.layout.piece_of_shard(self.grad_shard, b) for b in self.layout.buckets]
+
+    def publish(self) -> None:
+        for b, master, mine in zip(self.layout.buckets, self.master_pieces, self.param_shard_views, strict=True):
+            if master.data_ptr() != mine.data_ptr():
+                mine.copy_(master)
+            self.comm.all_gather(self.layout.bucket_view(self.flat_params, b), mine, kind="params")
+
+    def zero_grads(self) -> None:
+        super().zero_grads()
+        self.grad_shard = None
+
+    def owned(self) -> dict[str, list[torch.Tensor]]:
+        return {**super().owned(), "gradients": [self.flat_grads, self.grad_shard]}
+
+    def master_full(self) -> torch.Tensor:
+        full = torch.zeros(self.layout.full_numel, dtype=torch.float32)
+        for b, master in zip(self.layout.buckets, self.master_pieces, strict=True):
+            self.comm.all_gather(self.layout.bucket_view(full, b), master.data.float(), kind="other")
+        return full

@@ -1,0 +1,205 @@
+"""Stage 3 (P_os+g+p): partition the parameters too.
+
+What changes from stage 2: between uses, a rank holds only its 1/N shard of the parameters. The model is
+cut into *units*, one per module that owns parameters. Just before a module's forward its units are
+all-gathered, and released after their last use in the forward; they are gathered again just before the
+module's backward, and released once their gradients are reduce-scattered (as at stage 2). So each step
+moves parameters twice and gradients once: 3 Psi where stages 0-2 move 2 Psi.
+
+The first forward records the order in which modules run. From then on:
+- a unit is released right after the last module of the forward that needs it (a tied weight, used by the
+  embedding and by the output head, stays until the head is done);
+- the next units in that order are prefetched while the current module computes, up to
+  `stage3_prefetch_bucket_size` elements in flight and `stage3_max_live_parameters` gathered at once
+  (backward prefetches in reverse order);
+- units smaller than `stage3_param_persistence_threshold` elements are never released: they are too small
+  for a gather to pay off. They are all-gathered once after each optimizer step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from zeroedu.flat import Bucket, FlatLayout
+from zeroedu.stages.stage2 import Stage2
+
+
+class Stage3(Stage2):
+    stage = 3
+
+    def setup(self) -> None:
+        zc = self.config.zero_optimization
+        self.prefetch_numel = zc.stage3_prefetch_bucket_size
+        self.max_live = zc.stage3_max_live_parameters
+        # Units: the parameters each module owns directly; a shared parameter belongs to its first module.
+        owner: dict[torch.nn.Parameter, torch.nn.Module] = {}
+        self.unit_modules: list[torch.nn.Module] = []
+        for m in self.module.modules():
+            mine = [p for p in m.parameters(recurse=False) if p.requires_grad and p not in owner]
+            for p in mine:
+                owner[p] = m
+            if mine:
+                self.unit_modules.append(m)
+        groups = [[p for p in m.parameters(recurse=False) if owner.get(p) is m] for m in self.unit_modules]
+        self.layout = FlatLayout(self.params, self.world_size, groups=groups)
+        self._bucket_of = {p: b for b in self.layout.buckets for p in b.params}
+        self.units_of = {m: sorted({self._bucket_of[p].index for p in m.parameters(recurse=False)
+                                    if p in self._bucket_of}) for m in self.module.modules()}
+        self.persistent = {b.index for b in self.layout.buckets if b.numel < zc.stage3_param_persistence_threshold}
+
+        full = self.layout.flatten([p.data for p in self.layout.params])
+        self.param_shard = self.layout.shard_of(full, self.rank)
+        self.gathered: dict[int, torch.Tensor] = {}     # unit -> its full buffer, while gathered
+        self.inflight: dict[int, tuple] = {}            # unit -> (handle, buffer), while a prefetch runs
+        for b in self.layout.buckets:
+            if b.index in self.persistent:
+                self._attach(b, self.layout.bucket_view(full, b).clone())
+            else:
+                self._detach(b)
+        del full
+
+        self._waiting, self._reduced = {}, set()
+        self.setup_gradients()
+        if self.dtype == torch.float32:   # the fp32 parameter shard is the master
+            self.master_shard = None
+            src = self.param_shard
+        else:
+            self.master_shard = src = self.param_shard.float()
+        self.master_pieces = [torch.nn.Parameter(self.layout.piece_of_shard(src, b)) for b in self.layout.buckets]
+        for p in self.layout.params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+        self._trace: list[torch.nn.Module] = []
+        self._last_use: dict[int, int] = {}
+        self._recording, self._trace_ok = True, False
+        self._calls: list[int] = []
+        self._n_calls = 0
+        for m in self.module.modules():
+            if self.units_of[m] or m is self.module:
+                m.register_forward_pre_hook(self._pre_forward)
+                m.register_forward_hook(self._post_forward)
+
+    # -- gather and release -----------------------------------------------------------------------------
+    def _attach(self, b: Bucket, buf: torch.Tensor) -> None:
+        self.gathered[b.index] = buf
+        for p, view in zip(b.params, self.layout.param_views_of_bucket(buf, b), strict=True):
+            p.data = view
+
+    def _detach(self, b: Bucket) -> None:
+        self.gathered.pop(b.index, None)
+        for p in b.params:
+            p.data = torch.empty(0, dtype=self.dtype, device=self.param_shard.device)
+
+    def _start_gather(self, b: Bucket) -> None:
+        buf = torch.empty(b.padded, dtype=self.dtype, device=self.param_shard.device)
+        src = self.layout.piece_of_shard(self.param_shard, b)
+        self.inflight[b.index] = (self.comm.run_async(lambda: self.comm.all_gather(buf, src, kind="params")), buf)
+
+    def fetch(self, u: int) -> None:
+        """Make unit u whole, now (waiting for its prefetch if one is on the way)."""
+        if u in self.gathered:
+            return
+        if u not in self.inflight:
+            self._start_gather(self.layout.buckets[u])
+        handle, buf = self.inflight.pop(u)
+        handle.wait()
+        self._attach(self.layout.buckets[u], buf)
+
+    def release(self, u: int) -> None:
+        if u in self.gathered and u not in self.persistent:
+            self._detach(self.layout.buckets[u])
+
+    def live_numel(self) -> int:
+        units = [u for u in (*self.gathered, *self.inflight) if u not in self.persistent]
+        return sum(self.layout.buckets[u].padded for u in units)
+
+    def prefetch(self, calls: range) -> None:
+        """Start gathering the units of the next module calls in the recorded order, within the budgets."""
+        if not self._trace_ok:
+            return
+        budget = self.prefetch_numel
+        for j in calls:
+            for u in self.units_of[self._trace[j]]:
+                if u in self.gathered or u in self.inflight or u in self._reduced:
+                    continue
+                n = self.layout.buckets[u].padded
+                if n > budget or self.live_numel() + n > self.max_live:
+                    return
+                budget -= n
+                self._start_gather(self.layout.buckets[u])
+
+    # -- forward hooks ----------------------------------------------------------------------------------
+    def _pre_forward(self, m: torch.nn.Module, args) -> None:
+        i = self._n_calls
+        self._n_calls += 1
+        self._calls.append(i)
+        if self._recording:
+            self._trace.append(m)
+        elif self._trace_ok and (i >= len(self._trace) or self._trace[i] is not m):
+            self._trace_ok = False   # this forward runs differently: release only at the end
+        for u in self.units_of[m]:
+            self.fetch(u)
+        if i == 0:
+            self._reduced = set()   # a new forward: no unit has been reduced in it yet
+        self.prefetch(range(i + 1, len(self._trace)))
+
+    def _post_forward(self, m: torch.nn.Module, args, out) -> None:
+        i = self._calls.pop()
+        if torch.is_grad_enabled():
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, m=m, i=i: self._pre_backward(m, i))
+        if self._trace_ok:
+            for u in self.units_of[m]:
+                if self._last_use.get(u) == i:
+                    self.release(u)
+        if m is self.module:   # the whole forward is done
+            if self._recording:
+                self._recording, self._trace_ok = False, True
+                for j, mod in enumerate(self._trace):
+                    for u in self.units_of[mod]:
+                        self._last_use[u] = j
+            for u in list(self.gathered):
+                self.release(u)
+            self._n_calls = 0
+
+    def _pre_backward(self, m: torch.nn.Module, i: int) -> None:
+        for u in self.units_of[m]:
+            if u not in self._reduced:     # reduced already: this module's backward is over
+                self.fetch(u)
+        self.prefetch(range(i - 1, -1, -1))
+
+    # -- backward: reduce as at stage 2, then release -----------------------------------------------------
+    def reduce_bucket(self, b: Bucket) -> None:
+        super().reduce_bucket(b)
+        self.release(b.index)
+
+    def after_backward(self) -> None:
+        super().after_backward()
+        for u in list(self.inflight):       # a prefetch nobody used
+            self.fetch(u)
+        for u in list(self.gathered):
+            self.release(u)
+
+    # -- step -------------------------------------------------------------------------------------------
+    def publish(self) -> None:
+        for b, master in zip(self.layout.buckets, self.master_pieces, strict=True):
+            mine = self.layout.piece_of_shard(self.param_shard, b)
+            if master.data_ptr() != mine.data_ptr():
+                mine.copy_(master)
+            if b.index in self.persistent:
+                self.comm.all_gather(self.gathered[b.index], mine, kind="params")
+
+    def owned(self) -> dict[str, list[torch.Tensor]]:
+        base = super().owned()
+        persistent = [self.gathered[u] for u in self.persistent]
+        return {
+            "parameters": [self.param_shard, *persistent],
+            "gradients": base["gradients"],
+            "master_weights": [p.data for p in self.master_pieces],
+            "optimizer_state": base["optimizer_state"],
+            "buckets": self.bucket_buffers,
+            "gathered_parameters": [v for u, v in self.gathered.items() if u not in self.persistent]
+            + [buf for _, buf in self.inflight.values()],
+            "other": base["other"],
+        }
