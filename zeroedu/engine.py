@@ -32,14 +32,14 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, **_ig
     a learning-rate scheduler. torch.distributed must be initialized (zeroedu.launch or torchrun) or this
     process becomes a world of one.
     """
-    from zeroedu.stages import STAGES
+    from zeroedu.stages import engine_class
 
     cfg = load_config(config)
     if not dist.is_initialized():
         from zeroedu.launch import init_distributed
 
         init_distributed()
-    engine = STAGES[cfg.stage](model, cfg)
+    engine = engine_class(cfg)(model, cfg)
     return engine, engine.optimizer, None, None
 
 
@@ -172,20 +172,21 @@ class Engine:
                 clip = self.config.gradient_clipping
                 if clip > 0:
                     coef *= min(1.0, clip / (norm + 1e-6))
-                for master, g in zip(self.master_pieces, grads, strict=True):
-                    if g.dtype == torch.float32 and coef == 1.0:
-                        master.grad = g
-                    else:
-                        master.grad = g.float().mul_(coef)
-                self.optimizer.step()
-                for master in self.master_pieces:
-                    master.grad = None
+                self.optimizer_step(grads, coef)
                 self.publish()
             self.scaler.update(overflow)
             self.zero_grads()
             self.wait()
         self.global_step += 1
         self.comm.step = self.global_step
+
+    def optimizer_step(self, grads: list[torch.Tensor], coef: float) -> None:
+        """Step the master pieces with grads x coef (unscale and clip in one factor). Offload overrides it."""
+        for master, g in zip(self.master_pieces, grads, strict=True):
+            master.grad = g if (g.dtype == torch.float32 and coef == 1.0) else g.float().mul_(coef)
+        self.optimizer.step()
+        for master in self.master_pieces:
+            master.grad = None
 
     def train_batch(self, batch, loss_fn) -> float:
         """One micro-step: forward, loss, backward, step. Returns the loss as a float."""
@@ -226,11 +227,16 @@ class Engine:
     def _owned_now(self) -> dict[str, list[torch.Tensor]]:
         return self.owned()
 
+    def tier_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes by category on tiers other than the device ("host", "nvme"); offload fills it in."""
+        return {}
+
     def memory(self) -> dict:
         """Bytes on this rank by category, measured from the tensors held now, plus the last tracked peak."""
         res = resident(self.owned())
         report = {
             "resident": res,
+            "tiers": {"device": res, **self.tier_bytes()},
             "model_states": sum(res.get(c, 0) for c in MODEL_STATES),
             "peak": dict(self.last_peak.peak) if self.last_peak else None,
             "peak_total": self.last_peak.peak_total if self.last_peak else None,

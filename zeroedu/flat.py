@@ -86,7 +86,8 @@ class FlatLayout:
         return views
 
     def param_views_of_bucket(self, bucket_full: torch.Tensor, b: Bucket) -> list[torch.Tensor]:
-        return [bucket_full[off: off + shape.numel()].view(shape) for shape, off in zip(b.shapes, b.offsets, strict=True)]
+        pairs = zip(b.shapes, b.offsets, strict=True)
+        return [bucket_full[off: off + shape.numel()].view(shape) for shape, off in pairs]
 
     # -- copies -----------------------------------------------------------------------------------------
     def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
