@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import faulthandler
+import io
 import json
 import linecache
 import mmap
@@ -39,6 +40,8 @@ import tempfile
 import threading
 import time
 import traceback
+import types
+from collections import ChainMap
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -100,6 +103,30 @@ class RankHangError(LaunchError):
         self.culprits = culprits
 
 
+# -- shipping functions by value ---------------------------------------------------------------------------
+
+_CLOUDPICKLE_CODE_REDUCE = getattr(cloudpickle.Pickler, "_dispatch_table", {}).get(types.CodeType)
+
+
+def _code_reduce(code: types.CodeType) -> tuple:
+    make, args = _CLOUDPICKLE_CODE_REDUCE(code)
+    return make, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, except that code objects keep their file name (cloudpickle >= 3.1 writes "<dynamic-code>"),
+    so tracebacks and stacks from the ranks point at the notebook cell or script line that fn came from."""
+
+    if _CLOUDPICKLE_CODE_REDUCE is not None:
+        dispatch_table = ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
 # -- status slots (shared memory) ---------------------------------------------------------------------------
 
 class _Slots:
@@ -112,7 +139,7 @@ class _Slots:
         if create:
             with open(path, "wb") as f:
                 f.truncate(size)
-        self._file = open(path, "r+b")  # noqa: SIM115 -- lives as long as the mapping
+        self._file = open(path, "r+b")  # lives as long as the mapping
         self._map = mmap.mmap(self._file.fileno(), size)
 
     def write(self, rank: int, data: bytes) -> None:
@@ -183,7 +210,7 @@ class _RankContext:
 
 
 _CONTEXT: _RankContext | None = None   # set inside a rank started by launch()
-_SINGLE_STORE: tuple | None = None     # keeps init_distributed's loopback store alive
+_SINGLE_STORE: dist.TCPStore | None = None     # keeps init_distributed's loopback store alive
 
 
 def in_launched_rank() -> bool:
@@ -253,7 +280,9 @@ def _describe(v: _View, now: float) -> str:
         key, seq, sig = v.waiting
         text = f"waiting in {sig}, collective #{seq} of group {key}, for {now - v.state['t']:.1f} s"
     elif v.state["s"] == "starting":
-        text = f"joining the process group for {now - v.state['t']:.1f} s"
+        text = f"starting: loading fn and its arguments for {now - v.state['t']:.1f} s"
+    elif v.state["s"] == "joining":
+        text = f"joining the process group (it waits for every rank) for {now - v.state['t']:.1f} s"
     elif v.state["s"] == "returned" or v.returned:
         text = "returned from fn"
     else:
@@ -324,7 +353,7 @@ def _holdouts(views: list[_View]) -> dict[int, str]:
                 continue
             if b.waiting:
                 why = f"it waits in {b.waiting[2]} (#{b.waiting[1]} of group {b.waiting[0]}) instead"
-            elif b.state is None or b.state["s"] == "starting":
+            elif b.state is None or b.state["s"] in ("starting", "joining"):
                 why = "it never joined the process group"
             elif b.returned or b.state["s"] == "returned":
                 why = "it returned from fn"
@@ -356,6 +385,19 @@ def _with_source(text: str) -> str:
         if src:
             out.append(f"{m.group(1)}    {src}")
     return "\n".join(out)
+
+
+def _trim_stack(text: str) -> str:
+    """A faulthandler dump without launch's own machinery: drop the thread that watches the parent, and the
+    multiprocessing bootstrap frames below _rank_main (faulthandler prints the most recent call first)."""
+    blocks = []
+    for block in text.strip().split("\n\n"):
+        if "in _watch_parent" in block:
+            continue
+        lines = block.splitlines()
+        cut = next((i for i, line in enumerate(lines) if line.endswith(" in _rank_main")), None)
+        blocks.append("\n".join(lines if cut is None else lines[:cut + 1]))
+    return "\n\n".join(blocks)
 
 
 def _tail(path: str, n: int = _TAIL_LINES) -> str:
@@ -469,10 +511,10 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, conn: Connec
         log = os.open(os.path.join(run_dir, f"rank{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(log, fd)
         os.close(log)
-    sys.stdout = open(1, "w", buffering=1, closefd=False, errors="replace")  # noqa: SIM115
-    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="replace")  # noqa: SIM115
+    sys.stdout = open(1, "w", buffering=1, closefd=False, errors="replace")
+    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="replace")
     faulthandler.enable(file=sys.stderr, all_threads=True)  # segfaults print a Python stack
-    stack_file = open(os.path.join(run_dir, f"rank{rank}.stack"), "w")  # noqa: SIM115 -- open until exit
+    stack_file = open(os.path.join(run_dir, f"rank{rank}.stack"), "w")  # open until exit
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
 
     # The forkserver was started earlier, with the environment of that moment: use the parent's current one.
@@ -497,6 +539,7 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, conn: Connec
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # 4 ranks on 2 cores: 1 thread each
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        _CONTEXT.set("joining")
         store = dist.TCPStore("127.0.0.1", port, is_master=False,
                               timeout=datetime.timedelta(seconds=start_timeout))
         kw = {"timeout": datetime.timedelta(seconds=pg_timeout)} if pg_timeout else {}
@@ -504,12 +547,15 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, conn: Connec
         _CONTEXT.set("running")
         result = fn(rank, world_size, *args, **kwargs)
         try:
-            data = cloudpickle.dumps(result)
+            data = _dumps(result)
         except Exception as e:
             raise TypeError(f"the return value of fn ({type(result).__name__}) cannot be pickled to send it back "
                             f"to the parent: {e}. Return plain data: numbers, lists, dicts, CPU tensors.") from e
     except BaseException as e:
-        tb = traceback.format_exc()
+        tb = e.__traceback__
+        if tb is not None and tb.tb_frame.f_code is _rank_main.__code__ and tb.tb_next is not None:
+            tb = tb.tb_next  # the traceback starts in fn, not in this wrapper
+        tb = "".join(traceback.format_exception(type(e), e, tb))
         sys.stderr.flush()
         try:
             conn.send(("error", time.time(), type(e).__name__, str(e), tb))
@@ -557,8 +603,10 @@ class _Run:
             sock.bind(("127.0.0.1", 0))
             sock.listen(self.world_size + 8)
             port = sock.getsockname()[1]
-            store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841
-                                  master_listen_fd=sock.fileno())
+            # The rendezvous store, on the socket bound above: loopback only, and the port is already ours.
+            # The store takes ownership of the file descriptor and closes it: detach it from `sock`.
+            self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                       master_listen_fd=sock.detach())
             self.slots = slots = _Slots(os.path.join(self.dir, "status"), self.world_size, create=True)
             self._start(port)
             return self._monitor()
@@ -568,6 +616,7 @@ class _Run:
                 c.close()
             if slots is not None:
                 slots.close()
+            self.store = None
             sock.close()
             shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -663,7 +712,7 @@ class _Run:
     def _rank_error(self, rank: int, exc_type: str, exc_msg: str, tb: str) -> RankError:
         tb = _with_source(tb)
         msg = (f"rank {rank} of {self.world_size} raised {exc_type}: {exc_msg}\n\n"
-               f"Traceback from rank {rank}:\n{_indent(tb.rstrip())}{self._stderr(rank)}\n\n"
+               f"Traceback from rank {rank}:\n{tb.rstrip()}{self._stderr(rank)}\n\n"
                f"The other ranks were stopped.")
         return RankError(msg, rank, tb)
 
@@ -681,7 +730,7 @@ class _Run:
     def _check(self, results: dict) -> None:
         now = time.time()
         views = self._views(results)
-        not_joined = [v.rank for v in views if v.state is None or v.state["s"] == "starting"]
+        not_joined = [v.rank for v in views if v.state is None or v.state["s"] in ("starting", "joining")]
         if not_joined and now - self.t0 > min(START_TIMEOUT, self.timeout or START_TIMEOUT):
             lines = "\n".join(f"  rank {v.rank}: {_describe(v, now)}" for v in views)
             tails = "".join(self._stderr(r) for r in not_joined)
@@ -741,7 +790,7 @@ class _Run:
                                                       else 0 for r in alive):
             time.sleep(0.02)
         time.sleep(0.05)  # let the last dump finish writing
-        return {r: _with_source(_tail(paths[r], 200)) for r in range(self.world_size)}
+        return {r: _with_source(_trim_stack(_tail(paths[r], 400))) for r in range(self.world_size)}
 
 
 # -- torchrun and single-process initialization --------------------------------------------------------------
@@ -772,9 +821,10 @@ def init_distributed(backend: str = "auto") -> tuple[int, int]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen(8)
-    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                          master_listen_fd=sock.fileno())
-    _SINGLE_STORE = (sock, store)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          master_listen_fd=sock.detach())  # the store owns and closes the descriptor
+    _SINGLE_STORE = store
     old = os.environ.get("GLOO_SOCKET_IFNAME")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())  # gloo's listener on loopback only
     try:
@@ -828,7 +878,7 @@ def launch(fn: Callable, world_size: int = 4, args: Sequence = (), kwargs: dict 
         if value is not None and not value > 0:
             raise ValueError(f"{name} must be a number of seconds > 0, or None for no limit; got {value!r}")
     try:
-        payload = cloudpickle.dumps((fn, tuple(args), kwargs))
+        payload = _dumps((fn, tuple(args), kwargs))
     except Exception as e:
         raise LaunchError(f"could not send fn and its arguments to the ranks: cloudpickle failed with "
                           f"{type(e).__name__}: {e}. Pass picklable data (numbers, tensors, config dicts, file "
