@@ -234,6 +234,7 @@ class Comm:
         h.wait()
         return None
 
+    @torch.no_grad()
     def _call(self, op: str, a: torch.Tensor, b: torch.Tensor | None, kind: str, phase: str, step: int,
               **kw) -> None:
         self._seq += 1

@@ -144,6 +144,7 @@ class Engine:
             self.after_backward()
             self.wait()
 
+    @torch.no_grad()
     def step(self) -> None:
         """The optimizer step, at the accumulation boundary only (like DeepSpeed, call it every micro-step)."""
         boundary = self.is_gradient_accumulation_boundary()
@@ -258,6 +259,18 @@ class Engine:
         full = self.master_full()
         return {self.names[p]: v.clone() for p, v in zip(self.layout.params, self.layout.param_views(full),
                                                              strict=True)}
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, **kwargs) -> str:
+        """Sharded, atomic save (zeroedu.checkpoint.save): client_state=, save_latest=."""
+        from zeroedu import checkpoint
+
+        return checkpoint.save(self, save_dir, tag, **kwargs)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs) -> tuple[str, dict]:
+        """Load from any stage and world size (zeroedu.checkpoint.load); returns (path, client_state)."""
+        from zeroedu import checkpoint
+
+        return checkpoint.load(self, load_dir, tag, **kwargs)
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         return self.module.parameters()
