@@ -18,10 +18,14 @@ $(STAMP): pyproject.toml
 tour: $(STAMP)
 	$(BIN)/zeroedu tour
 
+NOTEBOOKS := $(wildcard notebooks/*.ipynb solutions/*.ipynb)
+
 test: $(STAMP)
-	$(BIN)/ruff check zeroedu tests
+	$(BIN)/ruff check zeroedu tests examples
 	$(BIN)/python -m pytest -q tests
-	$(BIN)/python -m pytest -q --nbval --sanitize-with tests/nbval_sanitize.cfg notebooks solutions
+ifneq ($(NOTEBOOKS),)
+	$(BIN)/python -m pytest -q --nbval --sanitize-with tests/nbval_sanitize.cfg $(NOTEBOOKS)
+endif
 
 lint: $(STAMP)
 	$(BIN)/ruff check zeroedu tests

@@ -64,13 +64,14 @@ class PeakTracker(TorchDispatchMode):
         self.peak: dict[str, int] = {}
         self.peak_phase = ""
         self._labels: dict[int, str] = {}
+        self.track_resizes = True
 
     def _label_owned(self) -> None:
         self._labels = {}
         for cat, tensors in self._owned().items():
             for t in tensors:
-                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
-                    self._labels.setdefault(t.untyped_storage().data_ptr(), cat)
+                if isinstance(t, torch.Tensor):
+                    self._labels.setdefault(t.untyped_storage()._cdata, cat)
 
     def _add(self, t: torch.Tensor, default: str) -> None:
         st = t.untyped_storage()
@@ -78,7 +79,7 @@ class PeakTracker(TorchDispatchMode):
             return
         ref = StorageWeakRef(st)
         if ref not in self.live:
-            self.live[ref] = (st.nbytes(), default, st.data_ptr())
+            self.live[ref] = (st.nbytes(), default, st._cdata)   # _cdata: the storage's identity
 
     def __enter__(self):
         for tensors in self._owned().values():
@@ -98,22 +99,34 @@ class PeakTracker(TorchDispatchMode):
         self._snapshot()
         return out
 
+    def _sizes(self) -> dict[int, int]:
+        """Current bytes of the engine's storages (stage 3 resizes its gathered buffers in place)."""
+        sizes = {}
+        for tensors in self._owned().values():
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    sizes[st._cdata] = st.nbytes()
+        return sizes
+
     def _snapshot(self) -> None:
         for ref in [r for r in self.live if r.expired()]:
             del self.live[ref]
-        total = sum(v[0] for v in self.live.values())
+        sizes = self._sizes() if self.track_resizes else {}
+        total = sum(sizes.get(v[2], v[0]) for v in self.live.values())
         if total > self.peak_total:
             self.peak_total = total
             self.peak_phase = self._phase()
             self._label_owned()
             by: dict[str, int] = defaultdict(int)
             for nbytes, default, ptr in self.live.values():
-                by[self._labels.get(ptr, default)] += nbytes
+                by[self._labels.get(ptr, default)] += sizes.get(ptr, nbytes)
             self.peak = dict(by)
 
     def current(self) -> int:
         self._snapshot()
-        return sum(v[0] for v in self.live.values())
+        sizes = self._sizes()
+        return sum(sizes.get(v[2], v[0]) for v in self.live.values())
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -50,6 +50,7 @@ class Stage3(Stage2):
 
         full = self.layout.flatten([p.data for p in self.layout.params])
         self.param_shard = self.layout.shard_of(full, self.rank)
+        self.unit_buffers: dict[int, torch.Tensor] = {}  # unit -> its full buffer (storage empty when released)
         self.gathered: dict[int, torch.Tensor] = {}     # unit -> its full buffer, while gathered
         self.inflight: dict[int, tuple] = {}            # unit -> (handle, buffer), while a prefetch runs
         for b in self.layout.buckets:
@@ -80,6 +81,19 @@ class Stage3(Stage2):
                 m.register_forward_hook(self._post_forward)
 
     # -- gather and release -----------------------------------------------------------------------------
+    # Each unit has one full-size buffer whose *storage* is freed on release (resized to 0 bytes) and
+    # re-allocated on gather. Autograd may have saved views of a weight (nn.Linear saves weight.t()): they
+    # keep pointing at the same storage, so they cost nothing while released and see the re-gathered values
+    # in backward. The parameters themselves point at an empty tensor while released.
+    def _buffer(self, b: Bucket) -> torch.Tensor:
+        if b.index not in self.unit_buffers:
+            self.unit_buffers[b.index] = torch.empty(b.padded, dtype=self.dtype, device=self.param_shard.device)
+        buf = self.unit_buffers[b.index]
+        nbytes = b.padded * buf.element_size()
+        if buf.untyped_storage().nbytes() != nbytes:
+            buf.untyped_storage().resize_(nbytes)
+        return buf
+
     def _attach(self, b: Bucket, buf: torch.Tensor) -> None:
         self.gathered[b.index] = buf
         for p, view in zip(b.params, self.layout.param_views_of_bucket(buf, b), strict=True):
@@ -89,9 +103,11 @@ class Stage3(Stage2):
         self.gathered.pop(b.index, None)
         for p in b.params:
             p.data = torch.empty(0, dtype=self.dtype, device=self.param_shard.device)
+        if b.index in self.unit_buffers:
+            self.unit_buffers[b.index].untyped_storage().resize_(0)
 
     def _start_gather(self, b: Bucket) -> None:
-        buf = torch.empty(b.padded, dtype=self.dtype, device=self.param_shard.device)
+        buf = self._buffer(b)
         src = self.layout.piece_of_shard(self.param_shard, b)
         self.inflight[b.index] = (self.comm.run_async(lambda: self.comm.all_gather(buf, src, kind="params")), buf)
 
@@ -199,7 +215,6 @@ class Stage3(Stage2):
             "master_weights": [p.data for p in self.master_pieces],
             "optimizer_state": base["optimizer_state"],
             "buckets": self.bucket_buffers,
-            "gathered_parameters": [v for u, v in self.gathered.items() if u not in self.persistent]
-            + [buf for _, buf in self.inflight.values()],
+            "gathered_parameters": [v for u, v in self.unit_buffers.items() if u not in self.persistent],
             "other": base["other"],
         }
