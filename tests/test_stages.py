@@ -7,12 +7,13 @@ world size starts once and trains every configuration inside (tests/workers.py).
 from __future__ import annotations
 
 import pytest
-from reference import param_rel, rel, single_process
 
 import zeroedu
 from zeroedu import theory
 from zeroedu.models import TinyGPT
 from zeroedu.precision import LossScaler
+
+from reference import param_rel, rel, single_process
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 import zeroedu
 from zeroedu.models import shard_batch
+
 from reference import LR, batch, loss_fn, make
 
 

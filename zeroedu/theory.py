@@ -1,50 +1,113 @@
-"""Closed forms, in bytes: model-state memory per rank and communication per step for ZeRO stages 0-3.
+"""Closed forms for ZeRO, in bytes: model states per rank, bytes sent per step, the alpha-beta time model,
+offload tiers and ZeRO++ volumes.
 
-Psi = parameters, N = data-parallel ranks. zeroedu cuts its flat buffers into buckets (stages 0-2: greedy
-buckets of reduce_bucket_size elements; stage 3: one per module "unit") and pads each bucket to a multiple
-of N, so the exact numbers take a `layout` (the buckets' element counts); `layout=None` means one bucket
-of Psi. The ZeRO paper (Rajbhandari et al., 2020) ignores padding: `model_state_bytes_paper` is its form.
+Pure functions of integers: no torch. The engine's tests compare what it measures to these functions byte for
+byte, so each one states exactly what it counts.
+
+Notation: psi = number of parameters, N = world size (data-parallel ranks), p = bytes of a parameter in the
+compute dtype, m = bytes of its fp32 master copy (0 when the compute dtype is fp32: the parameters *are* the
+master weights), o = bytes of optimizer state per parameter, K = m + o (12 for mixed-precision Adam).
+
+Padding: zeroedu's flat buffers are cut into buckets (stages 0-2: greedy buckets of `reduce_bucket_size`
+elements; stage 3: one bucket per module unit), and each bucket is padded to a multiple of N so that every
+rank owns an equal piece of it. A `layout` is the list of real (unpadded) bucket sizes; `layout=None` means
+one bucket of psi elements. P = layout_numel(layout, N) is then a multiple of N and P / N is exact.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Iterable, Sequence
+from fractions import Fraction
 
-PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GB = 10**9          # the ZeRO paper's gigabyte (Table 1): 10^9 bytes, not 2^30
+STAGES = (0, 1, 2, 3)
+PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
+PARAM_BYTES = PRECISIONS   # the name the first version of this module used
+RING_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+TIERS = ("none", "cpu", "nvme")
+MODEL_STATES = ("parameters", "gradients", "master_weights", "optimizer_state")
 
 
+def _num(x: Fraction | int) -> int | float:
+    """An exact count as int when it is whole, else as float (only unpadded inputs give fractions)."""
+    x = Fraction(x)
+    return int(x) if x.denominator == 1 else float(x)
+
+
+def _check_stage(stage: int) -> None:
+    if stage not in STAGES:
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}.")
+
+
+def _check_world(world_size: int) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}.")
+
+
+# -- sizes --------------------------------------------------------------------------------------------------
 def padded_numel(numel: int, world_size: int) -> int:
-    return math.ceil(numel / world_size) * world_size
+    """`numel` rounded up to a multiple of `world_size` (what a bucket occupies once padded)."""
+    _check_world(world_size)
+    return -(-int(numel) // world_size) * world_size
 
 
-def layout_numel(layout: list[int], world_size: int) -> int:
+def layout_numel(layout: Sequence[int] | None, world_size: int) -> int:
+    """Elements of the full flat buffer: every bucket of `layout` padded to a multiple of N, summed."""
+    if layout is None:
+        raise ValueError("layout_numel needs a list of bucket sizes; pass [psi] for one bucket.")
     return sum(padded_numel(n, world_size) for n in layout)
 
 
+def _layout(psi: int, layout: Sequence[int] | None) -> list[int]:
+    if layout is None:
+        return [int(psi)]
+    layout = [int(n) for n in layout]
+    if sum(layout) != int(psi):
+        raise ValueError(f"layout sums to {sum(layout)} elements but psi is {psi}: pass the real (unpadded) "
+                         f"bucket sizes of the model, or layout=None for one bucket.")
+    return layout
+
+
 def param_bytes(precision: str) -> int:
-    return PARAM_BYTES[precision]
+    """Bytes of one parameter (and of one gradient) in the compute dtype."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}.")
+    return PRECISIONS[precision]
 
 
 def master_bytes(precision: str) -> int:
-    """fp32 master weights: none in fp32 training (the parameters are the master), else 4 bytes."""
-    return 0 if precision == "fp32" else 4
+    """Bytes of the fp32 master copy of one parameter: 0 for fp32 (the parameters are the masters), else 4."""
+    return 0 if param_bytes(precision) == 4 else 4
 
 
 def optimizer_state_bytes(optimizer: str = "adam", momentum: float = 0.0) -> int:
-    """Adam/AdamW: momentum + variance in fp32 (8). SGD: 4 with momentum, else 0."""
-    optimizer = optimizer.lower()
-    if optimizer in {"adam", "adamw"}:
+    """Bytes of optimizer state per parameter: Adam/AdamW keep two fp32 moments (8); SGD a momentum buffer (4)
+    only if momentum > 0."""
+    name = optimizer.lower()
+    if name in {"adam", "adamw"}:
         return 8
-    if optimizer == "sgd":
+    if name == "sgd":
         return 4 if momentum > 0 else 0
-    raise ValueError(f"unknown optimizer {optimizer!r}: use adam, adamw or sgd")
+    raise ValueError(f"optimizer must be 'adam', 'adamw' or 'sgd', got {optimizer!r}.")
 
 
+def optimizer_K(precision: str = "bf16", optimizer: str = "adam", momentum: float = 0.0) -> int:
+    """The paper's K: optimizer bytes per parameter = master copy + state (12 for mixed-precision Adam)."""
+    return master_bytes(precision) + optimizer_state_bytes(optimizer, momentum)
+
+
+# -- model states -------------------------------------------------------------------------------------------
 def model_state_bytes(psi: int, world_size: int, stage: int, precision: str = "bf16", optimizer: str = "adam",
-                      momentum: float = 0.0, layout: list[int] | None = None) -> dict[str, int]:
-    """Bytes per rank of parameters, gradients, fp32 master weights and optimizer state."""
+                      momentum: float = 0.0, layout: Sequence[int] | None = None) -> dict[str, int]:
+    """Bytes per rank of each model state, with zeroedu's padding.
+
+    Stage 0 keeps everything whole; stage 1 shards master weights and optimizer state (P_os); stage 2 also the
+    gradients (P_os+g); stage 3 also the parameters (P_os+g+p). A sharded state holds P / N elements.
+    """
+    _check_stage(stage)
+    _check_world(world_size)
     n = world_size
-    full = layout_numel(layout or [psi], n)
+    full = layout_numel(_layout(psi, layout), n)
     shard = full // n
     p, m, o = param_bytes(precision), master_bytes(precision), optimizer_state_bytes(optimizer, momentum)
     out = {
@@ -57,79 +120,356 @@ def model_state_bytes(psi: int, world_size: int, stage: int, precision: str = "b
     return out
 
 
-def model_state_bytes_paper(psi: float, world_size: int, stage: int, k: int = 12) -> float:
-    """The paper's Table 1 form for mixed-precision Adam: 2 Psi + 2 Psi + K Psi, partitioned by stage."""
+def model_state_bytes_paper(psi: float, world_size: int, stage: int, K: float = 12) -> float:
+    """The ZeRO paper's model-state bytes per rank (Rajbhandari et al. 2020, Sec. 5 and Table 1), a float:
+    2 psi of fp16 parameters + 2 psi of fp16 gradients + K psi of optimizer states, no padding:
+    stage 0 (4 + K) psi, stage 1 4 psi + K psi / N, stage 2 2 psi + (2 + K) psi / N, stage 3 (4 + K) psi / N.
+
+    7.5B parameters on 64 GPUs give 120, 31.4, 16.6 and 1.9 GB for stages 0-3 (Table 1)."""
+    return model_state_bytes_paper_parts(psi, world_size, stage, K)["total"]
+
+
+def model_state_bytes_paper_parts(psi: float, world_size: int, stage: int, K: float = 12) -> dict[str, float]:
+    """model_state_bytes_paper by the paper's three parts: "parameters", "gradients", "optimizer_states"
+    (K psi: master weights and optimizer state together), and "total"."""
+    _check_stage(stage)
+    _check_world(world_size)
     n = world_size
-    return {0: (4 + k) * psi, 1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n,
-            3: (4 + k) * psi / n}[stage]
-
-
-def ring_sent_bytes(op: str, nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends under the ring algorithm for a tensor of `nbytes` (the full tensor)."""
-    n = world_size
-    if n == 1:
-        return 0
-    steps = {"all_reduce": 2 * (n - 1), "reduce_scatter": n - 1, "all_gather": n - 1}[op]
-    return steps * nbytes // n
-
-
-def comm_bytes_per_step(psi: int, world_size: int, stage: int, precision: str = "bf16", grad_accum: int = 1,
-                        layout: list[int] | None = None, persistent: list[int] | None = None) -> dict[str, int]:
-    """Bytes each rank sends per optimizer step, as "phase/op" -> bytes, plus "total".
-
-    Collectives run in the compute dtype on padded buckets. Stage 0 all-reduces gradients once per step,
-    stage 1 reduce-scatters them once per step, stage 2 at every micro-step (a shard cannot hold the sum of
-    full gradients); stages 1-2 all-gather updated parameters after the step. Stage 3 gathers every
-    non-persistent unit in forward and again in backward and reduce-scatters every unit, per micro-step;
-    persistent units are gathered once after the step. Scalars (the gradient norm) are not included.
-    """
-    n, p = world_size, param_bytes(precision)
-    layout = layout or [psi]
-    persistent = list(persistent or [])
-    rest = list(layout)
-    for u in persistent:
-        rest.remove(u)
-
-    def vol(op: str, sizes: list[int]) -> int:
-        return sum(ring_sent_bytes(op, padded_numel(s, n) * p, n) for s in sizes)
-
-    out: dict[str, int] = {}
-    if stage == 0:
-        out["backward/all_reduce"] = vol("all_reduce", layout)
-    elif stage in (1, 2):
-        out["backward/reduce_scatter"] = vol("reduce_scatter", layout) * (grad_accum if stage == 2 else 1)
-        out["step/all_gather"] = vol("all_gather", layout)
-    else:
-        out["forward/all_gather"] = vol("all_gather", rest) * grad_accum
-        out["backward/all_gather"] = vol("all_gather", rest) * grad_accum
-        out["backward/reduce_scatter"] = vol("reduce_scatter", layout) * grad_accum
-        if persistent:
-            out["step/all_gather"] = vol("all_gather", persistent)
+    out = {
+        "parameters": 2.0 * psi / (n if stage >= 3 else 1),
+        "gradients": 2.0 * psi / (n if stage >= 2 else 1),
+        "optimizer_states": K * psi / (n if stage >= 1 else 1),
+    }
     out["total"] = sum(out.values())
     return out
 
 
+# -- communication ------------------------------------------------------------------------------------------
+def ring_steps(op: str, world_size: int) -> int:
+    """Messages each rank sends, one after another, in the ring algorithm: N-1 per pass, two passes for
+    all-reduce (a reduce-scatter, then an all-gather). all_to_all is counted as N-1 point-to-point sends."""
+    _check_world(world_size)
+    if op not in RING_OPS:
+        raise ValueError(f"op must be one of {RING_OPS}, got {op!r}.")
+    return (2 if op == "all_reduce" else 1) * (world_size - 1)
+
+
+def ring_sent_bytes(op: str, nbytes: int, world_size: int) -> int | float:
+    """Bytes ONE rank sends for a collective on a tensor of `nbytes` bytes (the full tensor: the all-reduced
+    tensor, the reduce-scatter input, the all-gather output), under ring algorithms:
+    all-reduce 2(N-1)/N S, reduce-scatter and all-gather (N-1)/N S (all_to_all too), 0 for N = 1.
+    An int when S is a multiple of N (always so for zeroedu's padded buckets)."""
+    steps = ring_steps(op, world_size)
+    return _num(Fraction(steps * int(nbytes), world_size))
+
+
+def _units(layout: list[int], persistent: Iterable[int] | None) -> tuple[list[int], list[int]]:
+    """Split stage 3 units into (gathered every micro-step, persistent). Persistent ones are named by size."""
+    rest, kept = list(layout), []
+    for n in persistent or ():
+        if int(n) not in rest:
+            raise ValueError(f"persistent unit of {n} elements is not in the layout {layout}: persistent units "
+                             f"must be listed (by size) among the layout's units.")
+        rest.remove(int(n))
+        kept.append(int(n))
+    return rest, kept
+
+
+def comm_bytes_per_step(psi: int, world_size: int, stage: int, precision: str = "bf16", grad_accum: int = 1,
+                        layout: Sequence[int] | None = None,
+                        persistent: Sequence[int] | None = None) -> dict[str, int | float]:
+    """Bytes each rank SENDS in one optimizer step of `grad_accum` micro-steps, keyed "phase/op", plus "total".
+
+    Collectives run in the compute dtype (p bytes an element) on padded buckets, one collective per bucket:
+    - stage 0: "backward/all_reduce" of the gradients, once a step (at the last micro-step);
+    - stage 1: "backward/reduce_scatter" once a step, then "step/all_gather" of the updated parameters;
+    - stage 2: "backward/reduce_scatter" every micro-step (the full gradient is not kept), "step/all_gather";
+    - stage 3: every micro-step, "forward/all_gather" and "backward/all_gather" of each non-persistent unit and
+      "backward/reduce_scatter" of every unit; `persistent` units (sizes, each also in `layout`) stay gathered
+      and are all-gathered once a step in "step/all_gather".
+    Scalars (the global gradient norm, the fp16 overflow flag) are not included.
+    """
+    _check_stage(stage)
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}.")
+    n, p = world_size, param_bytes(precision)
+    buckets = _layout(psi, layout)
+    if persistent and stage != 3:
+        raise ValueError("persistent units exist only at stage 3; pass persistent=None for stages 0-2.")
+
+    def sent(op: str, sizes: list[int]) -> Fraction:
+        return sum((Fraction(ring_sent_bytes(op, p * padded_numel(k, n), n)) for k in sizes), Fraction(0))
+
+    out: dict[str, Fraction] = {}
+    if stage == 0:
+        out["backward/all_reduce"] = sent("all_reduce", buckets)
+    elif stage in (1, 2):
+        out["backward/reduce_scatter"] = sent("reduce_scatter", buckets) * (grad_accum if stage == 2 else 1)
+        out["step/all_gather"] = sent("all_gather", buckets)
+    else:
+        gathered, kept = _units(buckets, persistent)
+        out["forward/all_gather"] = sent("all_gather", gathered) * grad_accum
+        out["backward/all_gather"] = sent("all_gather", gathered) * grad_accum
+        out["backward/reduce_scatter"] = sent("reduce_scatter", buckets) * grad_accum
+        if kept:
+            out["step/all_gather"] = sent("all_gather", kept)
+    result = {k: _num(v) for k, v in out.items()}
+    result["total"] = _num(sum(out.values(), Fraction(0)))
+    return result
+
+
 def comm_volume_paper(stage: int) -> int:
-    """Per-step volume in units of Psi (paper): all-reduce = reduce-scatter + all-gather = 2 Psi; stage 3
-    adds a second all-gather (forward and backward) = 3 Psi."""
+    """Bytes each rank moves per step in the ZeRO paper's units of psi elements (Sec. 7): 2, 2, 2, 3.
+
+    A ring all-reduce *is* a reduce-scatter followed by an all-gather: after the reduce-scatter pass every rank
+    holds the sum of one 1/N piece, and the all-gather pass hands those sums round. Each pass sends
+    (N-1)/N of the tensor, about psi elements, so data parallelism moves 2 psi. Stages 1 and 2 run the two
+    halves separately (reduce-scatter the gradients, update the own piece, all-gather the parameters): still
+    2 psi. Stage 3 has no full parameters to start from, so it all-gathers them in the forward and again in
+    the backward, plus the gradient reduce-scatter: 3 psi, 1.5x data parallelism.
+    """
+    _check_stage(stage)
     return 3 if stage == 3 else 2
 
 
+# -- the alpha-beta model -----------------------------------------------------------------------------------
 def collective_time(op: str, nbytes: int, world_size: int, alpha_s: float, beta_bytes_per_s: float) -> float:
-    """Alpha-beta model of a ring collective: ring steps x latency + bytes sent / bandwidth."""
-    n = world_size
-    steps = {"all_reduce": 2 * (n - 1), "reduce_scatter": n - 1, "all_gather": n - 1}[op]
-    return steps * alpha_s + ring_sent_bytes(op, nbytes, n) / beta_bytes_per_s
+    """Seconds for one ring collective on S = `nbytes` bytes: each of its ring steps pays a latency alpha, and the
+    bytes a rank sends cross a link of bandwidth beta: steps(op, N) * alpha + ring_sent_bytes / beta."""
+    if beta_bytes_per_s <= 0 or alpha_s < 0:
+        raise ValueError(f"need alpha >= 0 and beta > 0, got alpha={alpha_s}, beta={beta_bytes_per_s}.")
+    return ring_steps(op, world_size) * alpha_s + float(ring_sent_bytes(op, nbytes, world_size)) / beta_bytes_per_s
 
 
-def fit_alpha_beta(samples: list[tuple[str, int, int, float]]) -> tuple[float, float]:
-    """Least-squares (alpha, beta) from measured (op, nbytes, world_size, seconds) samples."""
+def fit_alpha_beta(samples: Iterable[tuple[str, int, int, float]]) -> tuple[float, float]:
+    """Fit (alpha seconds, beta bytes/s) of `collective_time` to measured (op, nbytes, world_size, seconds).
+
+    Least squares on the *relative* error, so that small messages (which carry the latency) count as much as
+    large ones (which carry the bandwidth). Samples at N = 1 carry no information and are dropped. If the best
+    alpha is negative (noise on latency-free data), alpha is set to 0 and beta refit alone.
+    """
     import numpy as np
 
-    a = []
-    for op, nbytes, n, _ in samples:
-        steps = {"all_reduce": 2 * (n - 1), "reduce_scatter": n - 1, "all_gather": n - 1}[op]
-        a.append([steps, ring_sent_bytes(op, nbytes, n)])
-    t = np.array([s[3] for s in samples])
-    (alpha, inv_beta), *_ = np.linalg.lstsq(np.array(a, dtype=float), t, rcond=None)
+    rows, times = [], []
+    for op, nbytes, world, seconds in samples:
+        if seconds <= 0:
+            raise ValueError(f"a sample took {seconds} s: times must be positive; drop it or measure again.")
+        if world > 1:
+            rows.append((ring_steps(op, world), float(ring_sent_bytes(op, nbytes, world))))
+            times.append(float(seconds))
+    if len(rows) < 2:
+        raise ValueError("fit_alpha_beta needs at least two samples at world_size >= 2; measure more sizes.")
+    a = np.array(rows) / np.array(times)[:, None]     # divide each equation by its own time: relative error
+    if np.linalg.matrix_rank(a) < 2:
+        raise ValueError("the samples cannot separate latency from bandwidth: measure tensors of several sizes.")
+    (alpha, inv_beta), *_ = np.linalg.lstsq(a, np.ones(len(rows)), rcond=None)
+    if alpha < 0:
+        alpha, inv_beta = 0.0, float(a[:, 1].sum() / (a[:, 1] ** 2).sum())
+    if inv_beta <= 0:
+        raise ValueError("times do not grow with bytes in these samples: measure larger tensors.")
     return float(alpha), float(1.0 / inv_beta)
+
+
+# -- offload (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity, Rajbhandari et al. 2021) -------------------------
+def _check_offload(stage: int, offload_optimizer: str, offload_param: str) -> None:
+    for name, tier in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if tier not in TIERS:
+            raise ValueError(f"{name} must be one of {TIERS}, got {tier!r}.")
+    if offload_optimizer != "none" and stage < 1:
+        raise ValueError("optimizer offload needs stage 1, 2 or 3 (the optimizer state must be partitioned).")
+    if offload_param != "none" and stage != 3:
+        raise ValueError(f"parameter offload works only at stage 3 (only stage 3 partitions parameters); "
+                         f"got stage {stage}.")
+
+
+def offload_bytes(psi: int, world_size: int, stage: int, precision: str = "bf16", offload_optimizer: str = "none",
+                  offload_param: str = "none", layout: Sequence[int] | None = None, optimizer: str = "adam",
+                  momentum: float = 0.0, host_grad_bytes: int = 4) -> dict[str, dict[str, int]]:
+    """Model-state bytes per rank on each tier: {"device": {...}, "host": {...}, "nvme": {...}}, each with the
+    four model-state categories and "total".
+
+    Assumptions (what ZeRO-Offload and ZeRO-Infinity do, reduced to bytes):
+    - Optimizer offload runs the optimizer where its state lives. The rank's fp32 master shard (4 P/N) and the
+      optimizer state (o P/N) leave the device, and the reduced gradient shard lives on the host in fp32
+      (4 P/N), where the CPU optimizer reads it (DeepSpeed's CPU Adam takes fp32 gradients; an implementation
+      that keeps them in the compute dtype passes host_grad_bytes=param_bytes(precision)).
+    - With "nvme" the master shard and the state live on NVMe; the gradient shard stays in host memory. The
+      host's staging buffers for NVMe reads and writes are not model states and are not counted.
+    - The master copy exists on the optimizer's tier even for fp32 compute (the device's parameters are out
+      of the CPU's reach), except when the fp32 parameter shard itself lives on that same tier (fp32 with
+      parameter offload to it): then it is the master.
+    - On the device, gradients: stage 1 still accumulates full gradients there (p P, reduced only at the
+      boundary); stages 2 and 3 keep none (each reduced bucket goes straight to the host; the bucket buffers
+      are not model states).
+    - Parameter offload (stage 3 only) moves the rank's parameter shard (p P/N) to the host or to NVMe; the
+      device holds parameters only while they are gathered (not counted here).
+    """
+    _check_offload(stage, offload_optimizer, offload_param)
+    tiers = {t: dict.fromkeys(MODEL_STATES, 0) for t in ("device", "host", "nvme")}
+    tiers["device"].update({k: v for k, v in model_state_bytes(psi, world_size, stage, precision, optimizer,
+                                                               momentum, layout).items() if k != "total"})
+    shard = layout_numel(_layout(psi, layout), world_size) // world_size
+    p, o = param_bytes(precision), optimizer_state_bytes(optimizer, momentum)
+    tier_of = {"cpu": "host", "nvme": "nvme"}
+    if offload_param != "none":
+        tiers["device"]["parameters"] = 0
+        tiers[tier_of[offload_param]]["parameters"] = p * shard
+    if offload_optimizer != "none":
+        dev = tiers["device"]
+        dev["master_weights"] = dev["optimizer_state"] = 0
+        if stage >= 2:
+            dev["gradients"] = 0
+        tiers["host"]["gradients"] = host_grad_bytes * shard
+        home = tier_of[offload_optimizer]
+        params_are_master = p == 4 and offload_param == offload_optimizer
+        tiers[home]["master_weights"] = 0 if params_are_master else 4 * shard
+        tiers[home]["optimizer_state"] = o * shard
+    for t in tiers.values():
+        t["total"] = sum(t[k] for k in MODEL_STATES)
+    return tiers
+
+
+def offload_transfer_bytes_per_step(psi: int, world_size: int, stage: int, precision: str = "bf16",
+                                    offload_optimizer: str = "cpu", offload_param: str = "none",
+                                    grad_accum: int = 1, layout: Sequence[int] | None = None,
+                                    optimizer: str = "adam", momentum: float = 0.0) -> dict[str, int]:
+    """Bytes one rank moves between tiers in one optimizer step, keyed "source_to_destination/what", plus
+    "host_device" (PCIe total), "nvme" (NVMe total) and "total". Shards are P/N elements.
+
+    Assumptions:
+    - Optimizer offload: the reduced gradient shard goes device->host in the compute dtype (p P/N), once a
+      step at stage 1 (reduced at the boundary) and every micro-step at stages 2-3 (reduced every micro-step,
+      accumulated on the host in fp32). After the step the updated parameter shard comes back host->device in
+      the compute dtype (p P/N) -- unless the parameters themselves live off the device.
+    - Parameter offload (stage 3): before each of its all-gathers a unit's shard is copied host->device, so
+      2 p P/N per micro-step (forward and backward); with the optimizer on the device the updated shard goes
+      device->host once a step. Persistent (small, never released) units are ignored.
+    - NVMe: the optimizer reads and writes its master shard and state once a step ((m + o) P/N each way,
+      with m = 4 unless fp32 parameters on NVMe are the masters); NVMe parameters are read into the host before
+      every gather (2 p P/N per micro-step) and written back once a step (p P/N).
+    """
+    _check_offload(stage, offload_optimizer, offload_param)
+    shard = layout_numel(_layout(psi, layout), world_size) // world_size
+    p, o = param_bytes(precision), optimizer_state_bytes(optimizer, momentum)
+    fetches = 2 * grad_accum * p * shard
+    out: dict[str, int] = {}
+    if offload_optimizer != "none":
+        out["device_to_host/gradients"] = p * shard * (grad_accum if stage >= 2 else 1)
+        if offload_param == "none":
+            out["host_to_device/parameters"] = p * shard
+    if offload_param != "none":
+        out["host_to_device/parameters"] = fetches
+        if offload_optimizer == "none":
+            out["device_to_host/parameters"] = p * shard
+    if offload_optimizer == "nvme":
+        m = 0 if (p == 4 and offload_param == "nvme") else 4
+        out["nvme_to_host/optimizer"] = out["host_to_nvme/optimizer"] = (m + o) * shard
+    if offload_param == "nvme":
+        out["nvme_to_host/parameters"] = fetches
+        out["host_to_nvme/parameters"] = p * shard
+    out["host_device"] = sum(v for k, v in out.items() if "device" in k)
+    out["nvme"] = sum(v for k, v in out.items() if "nvme" in k)
+    out["total"] = out["host_device"] + out["nvme"]
+    return out
+
+
+# -- ZeRO++ (Wang et al. 2023) ------------------------------------------------------------------------------
+def quantized_bytes(numel: int, bits: int, block_size: int, scale_bytes: int) -> int:
+    """Bytes of `numel` values quantized to `bits` bits in blocks of `block_size` values, each block carrying
+    one scale of `scale_bytes` (symmetric quantization: no zero point; pass scale_bytes=8 for scale + offset).
+    Values are packed: ceil(numel * bits / 8) bytes, plus ceil(numel / block_size) scales."""
+    return -(-numel * bits // 8) + -(-numel // block_size) * scale_bytes
+
+
+def zeropp_comm_bytes(psi: int, world_size: int, node_size: int, qwz: bool = False, hpz: bool = False,
+                      qgz: bool = False, precision: str = "fp16", weight_bits: int = 8, grad_bits: int = 4,
+                      block_size: int = 2048, scale_bytes: int = 4, grad_accum: int = 1,
+                      layout: Sequence[int] | None = None) -> dict:
+    """Bytes per rank per optimizer step of ZeRO stage 3, with or without each ZeRO++ technique, split into
+    bytes sent to a rank on the same node ("intra_node") and on another node ("cross_node").
+
+    Ranks fill nodes in order: node k holds ranks k*g .. k*g+g-1 (g = node_size, M = N / g nodes). Per unit
+    (bucket of `layout`, padded to a multiple of N) and micro-step:
+    - forward all-gather, a flat ring over all N ranks. Every ring link carries the same bytes and M of its
+      N links cross a node (none if M = 1), so on average 1/g of what a rank sends crosses a node. (Per node
+      this is the ring volume itself: what leaves a node equals what one rank sends.) With qwZ each rank's
+      piece travels as `weight_bits` integers plus one `scale_bytes` scale per `block_size` values of its
+      piece (see quantized_bytes), instead of p-byte values.
+    - backward all-gather: the same flat ring (quantized too under qwZ), or with hpZ a ring inside the node
+      over the secondary partition (each rank keeps 1/g of the unit in the compute dtype, filled from the
+      forward gather): (g-1)/g of the unit, all intra-node, never quantized. The secondary copy costs
+      p P / g bytes per rank ("hpz_secondary_bytes").
+    - gradients: a flat ring reduce-scatter in the compute dtype, or with qgZ a two-hop all-to-all of
+      `grad_bits` quantized gradients: inside the node each rank sends g-1 of its g slices of P/g (quantized
+      per slice), the node reduces, and then each rank sends M-1 of the M pieces (P/N each, quantized per
+      piece) of its node-reduced slice to its peers (same local rank) on the other nodes.
+    "collectives" lists each collective with its group, ring steps and bytes; "total" = intra + cross;
+    "cross_node_per_node" = g x cross_node, the bytes one node's ranks send to other nodes per step.
+    Counts are averages over ranks and may be fractional when the flat ring splits unevenly.
+    """
+    _check_world(world_size)
+    n, g = world_size, node_size
+    if g < 1 or n % g:
+        raise ValueError(f"world_size ({n}) must be a whole number of nodes of node_size ({g}) ranks.")
+    nodes = n // g
+    p = param_bytes(precision)
+    units = [padded_numel(k, n) for k in _layout(psi, layout)]
+    cross_share = Fraction(nodes, n) if nodes > 1 else Fraction(0)
+
+    def flat_ring(name: str, piece_bytes: int) -> dict:
+        sent = Fraction((n - 1) * piece_bytes) * grad_accum
+        return {"name": name, "group_size": n, "steps": (n - 1) * grad_accum, "algorithm": "ring",
+                "intra_node": sent * (1 - cross_share), "cross_node": sent * cross_share}
+
+    def weights(name: str) -> dict:
+        if qwz:
+            return flat_ring(name, sum(quantized_bytes(u // n, weight_bits, block_size, scale_bytes) for u in units))
+        return flat_ring(name, sum(p * (u // n) for u in units))
+
+    found = [weights("forward/all_gather")]
+    if hpz:
+        sent = Fraction(sum((g - 1) * p * (u // g) for u in units) * grad_accum)
+        found.append({"name": "backward/all_gather", "group_size": g, "steps": (g - 1) * grad_accum,
+                      "algorithm": "node_ring", "intra_node": sent, "cross_node": Fraction(0)})
+    else:
+        found.append(weights("backward/all_gather"))
+    if qgz:
+        intra = sum((g - 1) * quantized_bytes(u // g, grad_bits, block_size, scale_bytes) for u in units)
+        cross = sum((nodes - 1) * quantized_bytes(u // n, grad_bits, block_size, scale_bytes) for u in units)
+        found.append({"name": "backward/all_to_all", "group_size": n, "steps": (g - 1 + nodes - 1) * grad_accum,
+                      "algorithm": "two_hop_all_to_all", "intra_node": Fraction(intra * grad_accum),
+                      "cross_node": Fraction(cross * grad_accum)})
+    else:
+        found.append(flat_ring("backward/reduce_scatter", sum(p * (u // n) for u in units)))
+    intra = sum((c["intra_node"] for c in found), Fraction(0))
+    cross = sum((c["cross_node"] for c in found), Fraction(0))
+    for c in found:
+        c["intra_node"], c["cross_node"] = _num(c["intra_node"]), _num(c["cross_node"])
+    return {"intra_node": _num(intra), "cross_node": _num(cross), "total": _num(intra + cross),
+            "cross_node_per_node": _num(cross * g),
+            "collectives": found, "hpz_secondary_bytes": p * sum(units) // g if hpz else 0}
+
+
+def zeropp_volume_paper(qwz: bool = False, hpz: bool = False, qgz: bool = False) -> float:
+    """Cross-node volume per step in the ZeRO++ paper's units (psi fp16 elements, i.e. 2 psi bytes, large N,
+    scales ignored): forward all-gather 1 (0.5 with int8 qwZ), backward all-gather 1 (0.5 with qwZ, 0 with hpZ),
+    gradient reduce-scatter 1 (0.25 with int4 qgZ). Stage 3 is 3; all three give the headline 0.75."""
+    gather = 0.5 if qwz else 1.0
+    return gather + (0.0 if hpz else gather) + (0.25 if qgz else 1.0)
+
+
+def zeropp_cross_node_ratio(psi: int, world_size: int, node_size: int, **kw) -> float:
+    """zeropp_comm_bytes's cross-node bytes leaving one node per step (g x the per-rank average), in units of
+    2 psi bytes: comparable to zeropp_volume_paper, which it approaches as N grows."""
+    return float(zeropp_comm_bytes(psi, world_size, node_size, **kw)["cross_node_per_node"]) / (2 * psi)
+
+
+__all__ = [
+    "GB", "MODEL_STATES", "PARAM_BYTES", "PRECISIONS", "RING_OPS", "STAGES", "TIERS",
+    "collective_time", "comm_bytes_per_step", "comm_volume_paper", "fit_alpha_beta", "layout_numel",
+    "master_bytes", "model_state_bytes", "model_state_bytes_paper", "model_state_bytes_paper_parts", "offload_bytes",
+    "offload_transfer_bytes_per_step", "optimizer_K", "optimizer_state_bytes", "padded_numel", "param_bytes",
+    "quantized_bytes", "ring_sent_bytes", "ring_steps", "zeropp_comm_bytes", "zeropp_cross_node_ratio",
+    "zeropp_volume_paper",
+]
+
