@@ -1,0 +1,150 @@
+"""zeroedu.planner: Table 1, recommendations for known cases, the alpha-beta times by hand, calibration, CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zeroedu import planner
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[1]
+GB = 1e9
+
+
+def korthikanti(layers, hidden, heads, seq, batch, vocab, recompute=False):
+    """Activation bytes written out from Korthikanti et al. 2022 (16-bit), plus 4 s b V fp32 logits."""
+    layer = 34 * seq * batch * hidden + 5 * heads * seq * seq * batch
+    kept = layers * 2 * seq * batch * hidden + layer if recompute else layers * layer
+    return kept + 4 * seq * batch * vocab
+
+
+def test_table_1_model_states():
+    """ZeRO paper Table 1: 7.5B on 64 GPUs -> 120, 31.4, 16.6, 1.9 GB of model states per device."""
+    p = planner.plan("7.5B", gpus=64, gpus_per_node=8)
+    got = [round(p.row(f"stage {s}").model_states / GB, 1) for s in range(4)]
+    assert got == [120.0, 31.4, 16.6, 1.9]
+    text = planner.format_plan(p)
+    for value in ("120.0", "31.4", "16.6", "1.9"):
+        assert value in text
+
+
+def test_7b_on_8x80gb_fits_at_stage_1():
+    psi = 6_738_415_616                     # Llama 2 7B; a multiple of 8, so no padding
+    p = planner.plan("7B", gpus=8, gpus_per_node=8, gpu_memory_gb=80)
+    act = korthikanti(32, 4096, 32, 2048, 1, 32000)
+    s1 = p.row("stage 1")
+    assert s1.activations == act
+    assert s1.model_states == 2 * psi + 2 * psi + 12 * psi // 8
+    assert s1.total == s1.model_states + act       # stage 1 keeps no extra buffers
+    # Stage 0 needs 16 psi = 107.8 GB of model states alone: more than 72 GB usable. Stage 1 fits.
+    assert p.usable_bytes == 72 * 10**9
+    assert not p.row("stage 0").fits and s1.fits and s1.total <= 72e9
+    assert p.recommendation is s1
+    assert "stage 1 is the first configuration that fits" in p.reason
+
+
+def test_70b_on_8x80gb_needs_stage_3_or_offload():
+    p = planner.plan("70B", gpus=8, gpus_per_node=8, gpu_memory_gb=80)
+    psi = 68_976_648_192
+    # Stage 2's model states, 2 psi + 14 psi / 8, are 258 GB: stages 0-2 cannot fit, even with recomputation.
+    assert p.row("stage 2").model_states == pytest.approx(2 * psi + 14 * psi / 8, rel=1e-9)
+    for s in range(3):
+        assert not p.row(f"stage {s}").fits_recompute
+    best = p.recommendation
+    assert best is not None and (best.stage == 3 or best.offload_optimizer != "none")
+    assert best.total_recompute <= p.usable_bytes
+
+
+def test_nothing_fits_says_so():
+    p = planner.plan("175B", gpus=1, gpus_per_node=1, gpu_memory_gb=24, micro_batch=64)
+    assert p.recommendation is None
+    assert p.reason.startswith("Nothing fits") and "tensor/pipeline" in p.reason
+
+
+def test_comm_time_alpha_beta_by_hand():
+    """Stage 0 of 1e9 parameters on one node of 4: 20 buckets of 5e7, each all-reduced in 2(N-1) = 6 ring
+    steps; a rank sends 2 (N-1)/N x 2e9 bytes = 3e9 bytes over NVLink."""
+    nv = planner.LINKS["nvlink"]
+    p = planner.plan(1e9, gpus=4, gpus_per_node=4)
+    want = 20 * 6 * nv.alpha_s + 3e9 / nv.beta_bytes_per_s
+    assert p.row("stage 0").comm_bytes == 3 * 10**9
+    assert p.row("stage 0").comm_seconds == pytest.approx(want, rel=1e-12)
+    # Two nodes of 4 on Ethernet: the ring runs at the slower link and pays its latency.
+    eth = planner.LINKS["ethernet"]
+    q = planner.plan(1e9, gpus=8, gpus_per_node=4, inter="ethernet")
+    sent = 2 * 7 / 8 * 2e9
+    assert q.row("stage 0").comm_seconds == pytest.approx(20 * 14 * eth.alpha_s + sent / eth.beta_bytes_per_s)
+    assert q.row("stage 0").cross_node_bytes == pytest.approx(sent / 4)   # 2 of the ring's 8 links cross
+
+
+def test_zeropp_row_trades_memory_for_cross_node_bytes():
+    p = planner.plan("13B", gpus=16, gpus_per_node=8, inter="ethernet")
+    s3, zpp = p.row("stage 3"), p.row("stage 3 + ZeRO++")
+    psi = 13_015_864_320                   # a multiple of 16
+    assert zpp.device["parameters"] - s3.device["parameters"] == 2 * psi // 8    # hpZ: 1/8 of the model, bf16
+    assert zpp.cross_node_bytes < s3.cross_node_bytes / 3.5                     # 3 psi -> ~0.75 psi
+    assert zpp.comm_seconds < s3.comm_seconds
+    if p.recommendation is s3:
+        assert "ZeRO++ would cut" in p.reason
+
+
+def test_offload_rows_and_host_memory():
+    p = planner.plan("175B", gpus=16, gpus_per_node=8, host_memory_gb=1000)
+    row = p.row("stage 3 + offload opt")
+    # Host per rank: fp32 gradient shard + master + Adam = 16 bytes x psi / 16; 8 ranks per node exceed 900 GB.
+    assert row.host["total"] == 16 * 175_000_000_000 // 16
+    assert not row.fits_host and row.fit_text == "no (host)"
+    assert p.recommendation is not None and p.recommendation.offload_optimizer == "nvme"
+
+
+def test_calibrate_from_samples_and_ledger_rows():
+    from zeroedu import theory
+
+    alpha, beta = 30e-6, 2e9
+    samples = [(op, s, n, theory.collective_time(op, s, n, alpha, beta))
+               for op in ("all_reduce", "all_gather") for s in (1 << 12, 1 << 20, 1 << 26) for n in (2, 4)]
+    fitted = planner.calibrate(samples, source="synthetic")
+    assert fitted.alpha_s == pytest.approx(alpha) and fitted.beta_bytes_per_s == pytest.approx(beta)
+    rows = [{"op": op, "tensor_bytes": s, "group_size": n, "seconds": t, "phase": "other"} for op, s, n, t in samples]
+    assert planner.calibrate(rows).beta_bytes_per_s == pytest.approx(beta)
+    p = planner.plan("1.3B", gpus=4, gpus_per_node=4, intra=fitted)
+    assert p.intra is fitted
+    assert "fit to 12 collectives from synthetic" in planner.format_plan(p)
+
+
+def test_inputs_and_errors():
+    assert planner.parse_model("7.5B").psi == 7_500_000_000
+    assert planner.parse_model("350M", layers=24, hidden=1024, heads=16).has_architecture
+    assert planner.link(25, "infiniband").beta_bytes_per_s == 25e9
+    with pytest.raises(ValueError, match="unknown model 'banana'"):
+        planner.parse_model("banana")
+    with pytest.raises(ValueError, match="unknown link"):
+        planner.link("carrier pigeon", "nvlink")
+    with pytest.raises(ValueError, match="not whole nodes"):
+        planner.plan("7B", gpus=12, gpus_per_node=8)
+
+
+def test_cli_subprocess():
+    """The real entry point, once (importing zeroedu imports torch: seconds)."""
+    r = subprocess.run([sys.executable, "-m", "zeroedu", "plan", "--model", "7B", "--gpus", "8"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr
+    assert "Recommendation: stage 1" in r.stdout and "stage 3 + ZeRO++" in r.stdout
+
+
+def test_cli_options(tmp_path, capsys):
+    assert planner.main(["--model", "70B", "--gpus", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recommendation"] in {row["label"] for row in data["rows"]}
+    assert data["model"]["psi"] == 68_976_648_192
+    samples = tmp_path / "samples.json"
+    samples.write_text(json.dumps([["all_reduce", 1 << k, 2, 1e-5 + (1 << k) / 1e9] for k in range(10, 24, 2)]))
+    assert planner.main(["--model", "1.3B", "--gpus", "2", "--intra-samples", str(samples)]) == 0
+    assert "beta 1.0 GB/s (fit to 7 collectives" in capsys.readouterr().out
+    assert planner.main(["--model", "banana"]) == 2
+    assert "unknown model 'banana'" in capsys.readouterr().err

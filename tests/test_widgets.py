@@ -1,0 +1,62 @@
+"""zeroedu.widgets: the text functions against bytes worked out here, and the widgets driven from Python."""
+
+from __future__ import annotations
+
+import html
+
+import pytest
+
+from zeroedu import widgets
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_calculator_text_numbers():
+    # 7.5e9 parameters on 64 ranks, bf16 + Adam: 16 x 7.5e9 / 64 = 1.875e9 bytes at stage 3 (Table 1: 1.9 GB).
+    t3 = widgets.calculator_text(7.5e9, 64, 3, "bf16")
+    assert "total              1,875,000,000 B" in t3
+    # Stage 3 all-gathers twice and reduce-scatters once: 3 x 63/64 x 15e9 bytes.
+    assert f"{3 * 63 * 15 * 10**9 // 64:,} B" in t3
+    t0 = widgets.calculator_text(7.5e9, 64, 0, "bf16")
+    assert "120,000,000,000 B" in t0
+    assert f"backward/all_reduce     {2 * 63 * 15 * 10**9 // 64:>16,} B" in t0
+    # Optimizer offload at stage 2: the device keeps only the bf16 parameters (2 x 7.5e9); the host holds
+    # 16 bytes x 7.5e9 / 64 (fp32 gradient shard + fp32 master + Adam).
+    t2 = widgets.calculator_text(7.5e9, 64, 2, "bf16", "cpu")
+    assert "device  total             15,000,000,000 B" in t2
+    assert "host    total              1,875,000,000 B" in t2
+    assert "offload traffic per step" in t2
+    assert widgets.calculator_text(7.5e9, 64, 0, "bf16", "cpu").startswith("error: optimizer offload needs stage")
+
+
+def test_memory_calculator_follows_its_controls():
+    calc = widgets.memory_calculator(psi=7.5e9, world_size=64, stage=3)
+    assert calc.text == widgets.calculator_text(7.5e9, 64, 3, "bf16")
+    calc.controls["stage"].value = 1
+    calc.controls["world_size"].value = 8
+    want = widgets.calculator_text(7.5e9, 8, 1, "bf16")
+    assert calc.text == want and "stage 1" in calc.text
+    # Stage 1 on 8 ranks: 4 x 7.5e9 + 12 x 7.5e9 / 8 = 41.25e9 bytes.
+    assert "41,250,000,000 B" in calc.text
+    assert html.escape(want) in calc.output.value
+    calc.controls["offload"].value = "optimizer + params -> CPU"
+    assert calc.text.startswith("error: parameter offload works only at stage 3")
+    calc.controls["stage"].value = 3
+    assert "host    parameters" in calc.text
+    calc.controls["billions"].value = 1.0
+    assert "psi = 1,000,000,000 parameters" in calc.text
+    assert calc._repr_mimebundle_() is not None
+
+
+def test_planner_widget_follows_its_controls():
+    w = widgets.planner_widget(model="7B", gpus=8)
+    assert w.text == widgets.planner_text(model="7B", gpus=8, gpus_per_node=8, gpu_memory_gb=80.0,
+                                          intra="nvlink", inter="infiniband", precision="bf16", micro_batch=1,
+                                          seq_len=2048)
+    assert "Recommendation: stage 1" in w.text
+    w.controls["model"].value = "70B"
+    assert "Recommendation: stage 3 + offload opt" in w.text
+    w.controls["gpus"].value = 12      # not whole nodes of 8: the error shows instead of a table
+    assert w.text.startswith("error: 12 GPUs are not whole nodes of 8")
+    w.controls["gpus"].value = 64
+    assert "64 GPUs (8 nodes of 8)" in w.text

@@ -1,0 +1,527 @@
+"""`zeroedu plan`: which ZeRO stage for which model, cluster and network, with the numbers behind the choice.
+
+For every configuration (stages 0-3, optimizer offload, parameter offload, stage 3 + ZeRO++) the plan lists
+the bytes per GPU by category, whether they fit, and the communication time per step, then recommends one:
+the configuration that fits with the least communication time, preferring in turn no offload, then a lower
+stage. Model states come from zeroedu.theory (exact, padded); activations are an estimate (documented in
+`activation_bytes`); times come from the alpha-beta model (theory.collective_time) with the link constants
+below or with ones fitted to measurements (`calibrate`).
+
+    from zeroedu.planner import plan, format_plan
+    print(format_plan(plan("70B", gpus=16, gpus_per_node=8, gpu_memory_gb=80)))
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from zeroedu import theory
+
+GB = theory.GB
+
+
+# -- links --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Link:
+    """A network link in the alpha-beta model: alpha = seconds per ring step, beta = bytes/s one way."""
+
+    name: str
+    alpha_s: float
+    beta_bytes_per_s: float
+    source: str
+
+    def describe(self) -> str:
+        return (f"{self.name}: alpha {self.alpha_s * 1e6:.1f} us, beta {self.beta_bytes_per_s / GB:.1f} GB/s "
+                f"({self.source})")
+
+
+# Nominal figures, one direction. Bandwidths are the vendors' peak numbers; achieved bus bandwidth is
+# typically 70-90% of them. The alphas are orders of magnitude of a collective's per-step latency, not
+# vendor figures: calibrate both with measurements (`calibrate`) when the answer depends on them.
+LINKS: dict[str, Link] = {
+    "nvlink": Link("nvlink", 5e-6, 300e9,
+                   "NVIDIA A100 datasheet: NVLink 3 = 600 GB/s per GPU, both directions together"),
+    "pcie": Link("pcie", 10e-6, 31.5e9,
+                 "PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b coding = 31.5 GB/s (PCI-SIG)"),
+    "infiniband": Link("infiniband", 10e-6, 200e9,
+                       "per node: 8 x 200 Gb/s HDR InfiniBand ports for compute traffic (NVIDIA DGX A100 "
+                       "user guide) = 200 GB/s"),
+    "ethernet": Link("ethernet", 50e-6, 12.5e9, "per node: one 100 Gb/s Ethernet port (IEEE 802.3) = 12.5 GB/s"),
+    "nvme": Link("nvme", 100e-6, 6e9,
+                 "one PCIe 4.0 x4 NVMe SSD per GPU: ~7 GB/s sequential read, ~6 GB/s write (vendor datasheets)"),
+}
+INTRA_DEFAULT, INTER_DEFAULT, HOST_DEFAULT, NVME_DEFAULT = "nvlink", "infiniband", "pcie", "nvme"
+
+
+def link(spec: str | float | Link, role_default: str) -> Link:
+    """A Link from a name in LINKS, a bandwidth in GB/s (the role's default alpha), or a Link."""
+    if isinstance(spec, Link):
+        return spec
+    if isinstance(spec, str) and spec.lower() in LINKS:
+        return LINKS[spec.lower()]
+    try:
+        gbps = float(spec)
+    except (TypeError, ValueError):
+        raise ValueError(f"unknown link {spec!r}: use one of {sorted(LINKS)} or a bandwidth in GB/s") from None
+    if gbps <= 0:
+        raise ValueError(f"a link bandwidth must be positive, got {gbps} GB/s")
+    base = LINKS[role_default]
+    return Link(f"{gbps:g} GB/s", base.alpha_s, gbps * GB, f"bandwidth given; alpha of {base.name}")
+
+
+def calibrate(samples: Iterable, name: str = "measured", source: str = "the course's measurements") -> Link:
+    """A Link fitted with theory.fit_alpha_beta to measured collectives.
+
+    Each sample is (op, nbytes, world_size, seconds), nbytes being the full tensor's bytes, or a ledger row
+    (a dict or LedgerEntry with op, tensor_bytes, group_size, seconds)."""
+    rows = []
+    for s in samples:
+        if isinstance(s, Mapping) or hasattr(s, "tensor_bytes"):
+            get = s.get if isinstance(s, Mapping) else lambda k, s=s: getattr(s, k)
+            rows.append((get("op"), int(get("tensor_bytes")), int(get("group_size")), float(get("seconds"))))
+        else:
+            op, nbytes, world, seconds = s
+            rows.append((op, int(nbytes), int(world), float(seconds)))
+    rows = [r for r in rows if r[0] in theory.RING_OPS]
+    alpha, beta = theory.fit_alpha_beta(rows)
+    return Link(name, alpha, beta, f"fit to {len(rows)} collectives from {source}")
+
+
+# -- models and activations ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    psi: int
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    vocab: int | None = None
+    source: str = ""
+
+    @property
+    def has_architecture(self) -> bool:
+        return None not in (self.layers, self.hidden, self.heads)
+
+
+PRESETS: dict[str, ModelSpec] = {
+    "1.3B": ModelSpec("GPT-3 XL", 1_300_000_000, 24, 2048, 24, 50257, "Brown et al. 2020, Table 2.1"),
+    "7B": ModelSpec("Llama 2 7B", 6_738_415_616, 32, 4096, 32, 32000, "Touvron et al. 2023"),
+    "13B": ModelSpec("Llama 2 13B", 13_015_864_320, 40, 5120, 40, 32000, "Touvron et al. 2023"),
+    "70B": ModelSpec("Llama 2 70B", 68_976_648_192, 80, 8192, 64, 32000, "Touvron et al. 2023"),
+    "175B": ModelSpec("GPT-3 175B", 175_000_000_000, 96, 12288, 96, 50257, "Brown et al. 2020, Table 2.1"),
+}
+_SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+
+
+def parse_model(model: str | int | float, layers: int | None = None, hidden: int | None = None,
+                heads: int | None = None, vocab: int | None = None) -> ModelSpec:
+    """A preset name ("7B"), or a parameter count (7.5e9, "7.5B", "350M"); layers/hidden/heads/vocab override."""
+    if isinstance(model, str) and model.upper() in PRESETS:
+        spec = PRESETS[model.upper()]
+    else:
+        text = str(model).strip().upper()
+        try:
+            psi = float(text[:-1]) * _SUFFIX[text[-1]] if text[-1:] in _SUFFIX else float(text)
+        except ValueError:
+            raise ValueError(f"unknown model {model!r}: use a preset ({', '.join(PRESETS)}) or a parameter "
+                             f"count such as 7.5e9 or 7.5B") from None
+        if psi < 1:
+            raise ValueError(f"a model needs at least one parameter, got {model!r}")
+        spec = ModelSpec(f"{psi / 1e9:g}B parameters", int(round(psi)), source="given")
+    over = {k: v for k, v in dict(layers=layers, hidden=hidden, heads=heads, vocab=vocab).items() if v is not None}
+    return dataclasses.replace(spec, **over) if over else spec
+
+
+def activation_bytes(spec: ModelSpec, seq_len: int, micro_batch: int, precision: str = "bf16",
+                     recompute: bool = False, flash_attention: bool = False) -> int:
+    """Activation bytes one GPU keeps for backward, for a GPT-style transformer without tensor parallelism.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Sec. 4.1):
+    a layer stores 34 s b h + 5 a s^2 b bytes with 16-bit activations and 1-byte dropout masks (s sequence,
+    b micro-batch, h hidden, a heads). The 5 a s^2 b are the attention scores, softmax and its dropout mask,
+    which FlashAttention does not store (`flash_attention`). With full recomputation a layer keeps only its
+    input (2 s b h) and one layer's full activations are alive again during its backward. We add the output
+    logits the loss keeps in fp32 (4 s b V) and double everything for fp32 training (an upper bound: masks
+    stay 1 byte). Llama's SwiGLU MLP and grouped-query attention differ from this layer; it is an estimate.
+    Returns 0 when the architecture is unknown (then the plan says activations were not estimated).
+    """
+    if not spec.has_architecture:
+        return 0
+    s, b, h, a, L = seq_len, micro_batch, spec.hidden, spec.heads, spec.layers
+    layer = 34 * s * b * h + (0 if flash_attention else 5 * a * s * s * b)
+    kept = L * 2 * s * b * h + layer if recompute else L * layer
+    if theory.param_bytes(precision) == 4:
+        kept *= 2
+    return kept + 4 * s * b * (spec.vocab or 0)
+
+
+# -- the plan -----------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    label: str
+    stage: int
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    zeropp: bool = False
+    device: dict[str, int] = field(default_factory=dict)        # bytes per GPU by category, activations kept
+    host: dict[str, int] = field(default_factory=dict)          # model states per rank on the host
+    nvme: dict[str, int] = field(default_factory=dict)
+    model_states: int = 0                                       # parameters + gradients + master + optimizer
+    activations: int = 0
+    activations_recompute: int = 0
+    total: int = 0                                              # device bytes without recomputation
+    total_recompute: int = 0                                    # ... with full recomputation
+    fits: bool = False
+    fits_recompute: bool = False
+    fits_host: bool = True
+    comm_bytes: int = 0                                         # bytes this GPU sends per optimizer step
+    cross_node_bytes: float = 0.0                               # of which to other nodes (per-rank average)
+    comm_seconds: float = 0.0
+    offload_bytes: int = 0                                      # host <-> device bytes per step
+    offload_seconds: float = 0.0                                # PCIe and NVMe transfer time per step
+    note: str = ""
+
+    @property
+    def fit_text(self) -> str:
+        if not self.fits_host:
+            return "no (host)"
+        return "yes" if self.fits else ("recompute" if self.fits_recompute else "no")
+
+
+@dataclass
+class Plan:
+    model: ModelSpec
+    gpus: int
+    gpus_per_node: int
+    gpu_memory_gb: float
+    usable_bytes: int
+    precision: str
+    micro_batch: int
+    seq_len: int
+    grad_accum: int
+    intra: Link
+    inter: Link
+    host_link: Link
+    nvme_link: Link
+    rows: list[Row]
+    recommendation: Row | None
+    reason: str
+    assumptions: str
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.gpus // self.gpus_per_node)
+
+    def row(self, label: str) -> Row:
+        for r in self.rows:
+            if r.label == label:
+                return r
+        raise KeyError(f"no row {label!r}; rows are {[r.label for r in self.rows]}")
+
+
+CONFIGS = [  # label, stage, offload_optimizer, offload_param, zeropp
+    ("stage 0", 0, "none", "none", False),
+    ("stage 1", 1, "none", "none", False),
+    ("stage 2", 2, "none", "none", False),
+    ("stage 3", 3, "none", "none", False),
+    ("stage 3 + ZeRO++", 3, "none", "none", True),
+    ("stage 1 + offload opt", 1, "cpu", "none", False),
+    ("stage 2 + offload opt", 2, "cpu", "none", False),
+    ("stage 3 + offload opt", 3, "cpu", "none", False),
+    ("stage 3 + offload opt+param", 3, "cpu", "cpu", False),
+    ("stage 3 + NVMe opt+param", 3, "nvme", "nvme", False),
+]
+
+
+def _assumptions(spec: ModelSpec, headroom: float, bucket_numel: int, prefetch_numel: int,
+                 flash: bool) -> list[str]:
+    act = ("activations: Korthikanti et al. 2022, 34sbh + 5as^2b bytes per layer (16-bit), "
+           + ("without the 5as^2b term (FlashAttention), " if flash else "")
+           + "plus 4sbV of fp32 logits; full recomputation keeps 2sbh per layer plus one layer")
+    if not spec.has_architecture:
+        act = "activations: NOT estimated (no layers/hidden/heads given): totals are model states and buffers"
+    return [
+        "GB = 1e9 bytes. Bytes are per GPU. Model states: zeroedu.theory (Adam: fp32 master + 2 fp32 moments).",
+        act,
+        f"fits: total <= (1 - {headroom:g}) x GPU memory; the headroom covers the CUDA context, the allocator's "
+        f"fragmentation and temporaries not listed",
+        f"buckets: stage 2 holds two reduce buckets of min(psi, {bucket_numel:.3g}) elements; stage 3 two "
+        f"buffers of the largest unit; stages 0-1 reduce in the gradient buffer itself (zeroedu's design)",
+        f"gathered parameters (stage 3): the largest unit (max of a 4h x h MLP matrix and the V x h embedding) "
+        f"plus a prefetch of {prefetch_numel:.3g} elements, in the compute dtype",
+        "comm time: alpha-beta per ring collective, one collective per bucket (stages 0-2) or per unit "
+        "(stage 3: 4 linear layers per block + embedding); across nodes a ring runs at min(intra, inter) where "
+        "inter is one node's total bandwidth to the others (what one rank sends also leaves its node)",
+        "ZeRO++: qwZ int8 and qgZ int4 with fp32 scales per 2048 values, hpZ secondary partition per node "
+        "(counted under parameters); quantization changes numerics: check convergence",
+        "offload: transfer time over one PCIe link per GPU and one NVMe drive per GPU, not overlapped; the "
+        "CPU optimizer's own step time is not modeled",
+    ]
+
+
+def plan(model: str | int | float = "7B", gpus: int = 8, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0,
+         intra: str | float | Link = INTRA_DEFAULT, inter: str | float | Link = INTER_DEFAULT,
+         host_link: str | float | Link = HOST_DEFAULT, precision: str = "bf16", micro_batch: int = 1,
+         seq_len: int = 2048, grad_accum: int = 1, optimizer: str = "adam", headroom: float = 0.10,
+         layers: int | None = None, hidden: int | None = None, heads: int | None = None, vocab: int | None = None,
+         flash_attention: bool = False, bucket_numel: int = 50_000_000, prefetch_numel: int = 50_000_000,
+         max_live_numel: int = 1_000_000_000, host_memory_gb: float | None = None) -> Plan:
+    """Every configuration's bytes per GPU, fit and communication time, and the recommended one."""
+    spec = parse_model(model, layers, hidden, heads, vocab)
+    n, g = int(gpus), int(gpus_per_node)
+    if n < 1 or g < 1:
+        raise ValueError(f"gpus and gpus_per_node must be >= 1, got {gpus} and {gpus_per_node}")
+    if n > g and n % g:
+        raise ValueError(f"{n} GPUs are not whole nodes of {g}: use a multiple of gpus_per_node")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom is a fraction of GPU memory in [0, 1), got {headroom}")
+    g = min(g, n)                       # a job on part of one node: its ranks are the node
+    nodes = n // g
+    intra_l, inter_l = link(intra, INTRA_DEFAULT), link(inter, INTER_DEFAULT)
+    host_l, nvme_l = link(host_link, HOST_DEFAULT), LINKS[NVME_DEFAULT]
+    ring_alpha = intra_l.alpha_s if nodes == 1 else max(intra_l.alpha_s, inter_l.alpha_s)
+    ring_beta = intra_l.beta_bytes_per_s if nodes == 1 else min(intra_l.beta_bytes_per_s, inter_l.beta_bytes_per_s)
+    usable = int((1 - headroom) * gpu_memory_gb * GB)
+    psi, p = spec.psi, theory.param_bytes(precision)
+
+    h, v = spec.hidden, spec.vocab
+    largest_unit = min(psi, max(4 * h * h, (v or 0) * h)) if spec.has_architecture else min(psi, bucket_numel)
+    n_buckets = math.ceil(psi / bucket_numel)
+    n_units = 4 * spec.layers + (1 if v else 0) if spec.has_architecture else n_buckets
+    act = activation_bytes(spec, seq_len, micro_batch, precision, False, flash_attention)
+    act_rc = activation_bytes(spec, seq_len, micro_batch, precision, True, flash_attention)
+
+    def ring_seconds(stage: int) -> float:
+        sent = theory.comm_bytes_per_step(psi, n, stage, precision, grad_accum)
+        count = {"backward/all_reduce": n_buckets, "step/all_gather": n_buckets,
+                 "backward/reduce_scatter": n_buckets * (grad_accum if stage == 2 else 1)}
+        if stage == 3:
+            count = dict.fromkeys(("forward/all_gather", "backward/all_gather", "backward/reduce_scatter"),
+                                  n_units * grad_accum)
+        t = 0.0
+        for key, nbytes in sent.items():
+            if key != "total":
+                op = key.split("/")[1]
+                t += count[key] * theory.ring_steps(op, n) * ring_alpha + nbytes / ring_beta
+        return t
+
+    def zeropp_seconds(z: dict) -> float:
+        t = 0.0
+        for c in z["collectives"]:
+            intra_b, cross_b = float(c["intra_node"]), float(c["cross_node"])
+            if c["algorithm"] == "ring":
+                t += n_units * c["steps"] * ring_alpha + (intra_b + cross_b) / ring_beta
+            elif c["algorithm"] == "node_ring":
+                t += n_units * c["steps"] * intra_l.alpha_s + intra_b / intra_l.beta_bytes_per_s
+            else:   # two hops: inside the node, then each node's ranks send g x cross_b through its links out
+                t += n_units * grad_accum * ((g - 1) * intra_l.alpha_s + (nodes - 1) * inter_l.alpha_s)
+                t += intra_b / intra_l.beta_bytes_per_s + (g * cross_b / inter_l.beta_bytes_per_s if nodes > 1
+                                                           else 0.0)
+        return t
+
+    rows = []
+    for label, stage, oo, op, zpp in CONFIGS:
+        tiers = theory.offload_bytes(psi, n, stage, precision, oo, op, optimizer=optimizer)
+        dev = {k: tiers["device"][k] for k in theory.MODEL_STATES}
+        dev["buckets"] = 2 * p * (min(psi, bucket_numel) if stage == 2 else largest_unit if stage == 3 else 0)
+        dev["gathered_parameters"] = p * min(max_live_numel, largest_unit + prefetch_numel, psi) if stage == 3 else 0
+        note = ""
+        cross = 0.0
+        if zpp:
+            # hpZ keeps the backward gather inside a node: on one node there is nothing to keep it from.
+            z = theory.zeropp_comm_bytes(psi, n, g, qwz=True, hpz=nodes > 1, qgz=True, precision=precision,
+                                         grad_accum=grad_accum)
+            dev["parameters"] += z["hpz_secondary_bytes"]
+            comm, cross, seconds = int(round(float(z["total"]))), float(z["cross_node"]), zeropp_seconds(z)
+            note = (f"hpZ secondary copy {z['hpz_secondary_bytes'] / GB:.2f} GB counted under parameters"
+                    if nodes > 1 else "one node: qwZ and qgZ only (hpZ has no cross-node gather to remove)")
+        else:
+            comm = int(theory.comm_bytes_per_step(psi, n, stage, precision, grad_accum)["total"])
+            cross = comm / g if nodes > 1 else 0.0
+            seconds = ring_seconds(stage)
+        model_states = sum(dev[k] for k in theory.MODEL_STATES)
+        base = sum(dev.values())
+        row = Row(label, stage, oo, op, zpp, {**dev, "activations": act}, tiers["host"], tiers["nvme"],
+                  model_states, act, act_rc, base + act, base + act_rc, comm_bytes=comm, cross_node_bytes=cross,
+                  comm_seconds=seconds, note=note)
+        row.fits, row.fits_recompute = row.total <= usable, row.total_recompute <= usable
+        if host_memory_gb is not None:
+            row.fits_host = row.host["total"] * g <= (1 - headroom) * host_memory_gb * GB
+        if oo != "none":
+            moved = theory.offload_transfer_bytes_per_step(psi, n, stage, precision, oo, op, grad_accum,
+                                                           optimizer=optimizer)
+            row.offload_bytes = moved["host_device"]
+            row.offload_seconds = (moved["host_device"] / host_l.beta_bytes_per_s
+                                   + moved["nvme"] / nvme_l.beta_bytes_per_s)
+        rows.append(row)
+
+    best, reason = _recommend(rows, usable, gpu_memory_gb, headroom, spec, nodes)
+    assumptions = "\n".join(f"- {a}" for a in _assumptions(spec, headroom, bucket_numel, prefetch_numel,
+                                                           flash_attention))
+    return Plan(spec, n, int(gpus_per_node), gpu_memory_gb, usable, precision, micro_batch, seq_len, grad_accum,
+                intra_l, inter_l, host_l, nvme_l, rows, best, reason, assumptions)
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.1f} GB"
+
+
+def _recommend(rows: list[Row], usable: int, gpu_memory_gb: float, headroom: float, spec: ModelSpec,
+               nodes: int) -> tuple[Row | None, str]:
+    """Tiers, best first: exact stages that fit as they are; exact stages with full recomputation; offload
+    (CPU before NVMe) as it is, then with recomputation. Within a tier: least communication time, then the
+    lower stage. ZeRO++ is quantized, so it is offered in the reason rather than chosen."""
+    exact = [r for r in rows if r.offload_optimizer == "none" and not r.zeropp]
+    cpu = [r for r in rows if r.offload_optimizer == "cpu"]
+    nvme = [r for r in rows if r.offload_optimizer == "nvme"]
+    tiers = [(exact, False), (exact, True), (cpu, False), (cpu, True), (nvme, False), (nvme, True)]
+    budget = f"{_gb(usable)} usable per GPU ({gpu_memory_gb:g} GB less {headroom:.0%} headroom)"
+    for group, recompute in tiers:
+        ok = [r for r in group if r.fits_host and (r.fits_recompute if recompute else r.fits)]
+        if not ok:
+            continue
+        best = min(ok, key=lambda r: (round(r.comm_seconds, 12), r.stage, r.offload_param != "none"))
+        need = best.total_recompute if recompute else best.total
+        words = [f"{best.label} is the first configuration that fits: {_gb(need)} per GPU "
+                 f"{'with full activation recomputation ' if recompute else ''}within {budget}."]
+        smaller = [r for r in exact if r.stage < best.stage]
+        if smaller:
+            words.append("Smaller stages need " + ", ".join(
+                f"{r.label} {_gb(r.total_recompute if recompute else r.total)}" for r in smaller) + ".")
+        if recompute:
+            words.append(f"Without recomputation it needs {_gb(best.total)}; recomputation costs about one "
+                         f"more forward pass per step.")
+        words.append(f"It sends {_gb(best.comm_bytes)} per GPU per step, about {best.comm_seconds:.3g} s"
+                     + (f", plus {best.offload_seconds:.3g} s of host/NVMe transfers and the CPU optimizer step"
+                        if best.offload_optimizer != "none" else "") + ".")
+        zpp = next(r for r in rows if r.zeropp)
+        if nodes > 1 and best.stage == 3 and best.offload_optimizer == "none" and zpp.comm_seconds < best.comm_seconds \
+                and (zpp.fits_recompute if recompute else zpp.fits):
+            words.append(f"Stage 3 + ZeRO++ would cut that to about {zpp.comm_seconds:.3g} s (quantized weights "
+                         f"and gradients: check convergence).")
+        if not spec.has_architecture:
+            words.append("Activations were not estimated: give --layers, --hidden and --heads.")
+        return best, " ".join(words)
+    last = next(r for r in rows if r.offload_optimizer == "nvme")
+    return None, (f"Nothing fits in {budget}: even {last.label} needs {_gb(last.total_recompute)} per GPU with "
+                  f"full recomputation ({_gb(last.activations_recompute)} of it activations). Use more GPUs, a "
+                  f"smaller micro-batch or sequence, or add tensor/pipeline parallelism.")
+
+
+# -- output -------------------------------------------------------------------------------------------------
+COLUMNS = [("config", 28), ("params", 7), ("grads", 7), ("optim", 7), ("bufs", 6), ("model", 7), ("act", 7),
+           ("act-rc", 7), ("total", 7), ("tot-rc", 7), ("fits", 10), ("host", 7), ("comm", 7), ("comm s", 8),
+           ("offl s", 8)]
+
+
+def format_plan(p: Plan) -> str:
+    """The plan as a fixed-width table (GB = 1e9 bytes, per GPU) with the recommendation and its assumptions."""
+    m = p.model
+    arch = (f"; {m.layers} layers, hidden {m.hidden}, {m.heads} heads" + (f", vocab {m.vocab}" if m.vocab else "")
+            if m.has_architecture else "")
+    nodes = f"{p.nodes} node{'s' if p.nodes > 1 else ''} of {min(p.gpus, p.gpus_per_node)}"
+    lines = [
+        f"zeroedu plan: {m.name} ({m.psi:.3g} parameters{arch}){f' [{m.source}]' if m.source else ''}",
+        f"{p.gpus} GPUs ({nodes}), {p.gpu_memory_gb:g} GB each; {p.precision}, micro-batch {p.micro_batch} x "
+        f"{p.seq_len} tokens, gradient accumulation {p.grad_accum}",
+        "GB per GPU (1 GB = 1e9 bytes); model = params + grads + optim (master weights and optimizer state);",
+        "bufs = buckets + gathered parameters; act/-rc = activations without/with full recomputation;",
+        "host = model states offloaded to host and NVMe; comm = GB each GPU sends per step;",
+        "comm s / offl s = seconds per step on the network / moving offloaded states (PCIe, NVMe)",
+        "",
+    ]
+    lines.append(" ".join(name.ljust(w) if i == 0 else name.rjust(w) for i, (name, w) in enumerate(COLUMNS)))
+    lines.append("-" * len(lines[-1]))
+    for r in p.rows:
+        d = r.device
+        vals = [d["parameters"], d["gradients"], d["master_weights"] + d["optimizer_state"],
+                d["buckets"] + d["gathered_parameters"], r.model_states, r.activations, r.activations_recompute,
+                r.total, r.total_recompute]
+        cells = [r.label.ljust(COLUMNS[0][1])] + [f"{v / GB:{w}.1f}" for v, (_, w) in zip(vals, COLUMNS[1:10],
+                                                                                        strict=True)]
+        cells += [r.fit_text.rjust(10), f"{(r.host['total'] + r.nvme['total']) / GB:7.1f}",
+                  f"{r.comm_bytes / GB:7.1f}", f"{r.comm_seconds:8.3g}",
+                  f"{r.offload_seconds:8.3g}" if r.offload_optimizer != "none" else " " * 7 + "-"]
+        lines.append(" ".join(cells))
+    lines += ["", "Recommendation: " + (p.recommendation.label if p.recommendation else "none"), p.reason, ""]
+    lines += ["Links (alpha-beta model):", f"- intra-node {p.intra.describe()}", f"- inter-node {p.inter.describe()}",
+              f"- host {p.host_link.describe()}", f"- nvme {p.nvme_link.describe()}", ""]
+    lines += ["Assumptions:", p.assumptions]
+    notes = [f"- {r.label}: {r.note}" for r in p.rows if r.note]
+    return "\n".join(lines + notes)
+
+
+def plan_dict(p: Plan) -> dict:
+    """The plan as plain data (for --json)."""
+    out = dataclasses.asdict(p)
+    out["recommendation"] = p.recommendation.label if p.recommendation else None
+    return out
+
+
+# -- CLI ----------------------------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="zeroedu plan", description="Which ZeRO stage for which model, cluster "
+                                 "and network: bytes per GPU, fit, communication time, recommendation.")
+    ap.add_argument("--model", default="7B", help=f"a preset ({', '.join(PRESETS)}) or a parameter count "
+                    "(7.5e9, 7.5B, 350M)")
+    ap.add_argument("--gpus", type=int, default=8, help="data-parallel GPUs (N)")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    ap.add_argument("--intra", default=INTRA_DEFAULT, help="intra-node link: nvlink, pcie or GB/s")
+    ap.add_argument("--inter", default=INTER_DEFAULT, help="one node's bandwidth to the others: infiniband, "
+                    "ethernet or GB/s")
+    ap.add_argument("--host-link", default=HOST_DEFAULT, help="GPU-host link for offload: pcie or GB/s")
+    ap.add_argument("--precision", default="bf16", choices=sorted(theory.PRECISIONS))
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--headroom", type=float, default=0.10, help="fraction of GPU memory kept free")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--vocab", type=int)
+    ap.add_argument("--flash-attention", action="store_true", help="attention scores are not stored")
+    ap.add_argument("--host-memory-gb", type=float, help="host RAM per node; offload rows must fit it too")
+    ap.add_argument("--intra-samples", help="JSON file of measured collectives within a node: a list of "
+                    "[op, bytes, world_size, seconds] or of ledger rows; replaces the intra-node link")
+    ap.add_argument("--inter-samples", help="the same, measured across nodes; replaces the inter-node link")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return ap
+
+
+def _samples(path: str) -> list:
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data, dict) and "samples" in data:
+        data = data["samples"]
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of [op, bytes, world_size, seconds] or ledger rows")
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        intra = calibrate(_samples(args.intra_samples), source=args.intra_samples) if args.intra_samples \
+            else args.intra
+        inter = calibrate(_samples(args.inter_samples), source=args.inter_samples) if args.inter_samples \
+            else args.inter
+        result = plan(args.model, args.gpus, args.gpus_per_node, args.gpu_memory_gb, intra, inter, args.host_link,
+                      args.precision, args.micro_batch, args.seq_len, args.grad_accum, headroom=args.headroom,
+                      layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
+                      flash_attention=args.flash_attention, host_memory_gb=args.host_memory_gb)
+    except (ValueError, OSError) as e:
+        print(f"zeroedu plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan_dict(result), indent=1) if args.json else format_plan(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
