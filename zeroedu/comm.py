@@ -26,8 +26,6 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
-
 # "auto" on gloo: the faster of the two, as `zeroedu bench --collectives` measured here (16 MiB fp32, 4 ranks,
 # ring / gloo time): all-reduce 1.95x (gloo's own is faster), reduce-scatter 0.64x, all-gather 0.54x.
 AUTO_ON_GLOO = {"all_reduce": "native", "reduce_scatter": "ring", "all_gather": "ring"}

@@ -218,15 +218,12 @@ class Engine:
     @contextmanager
     def track_memory(self):
         """Measure live bytes by category over the enclosed step; the result is `engine.memory()["peak"]`."""
-        tracker = PeakTracker(self._owned_now, lambda: self.comm.phase)
+        tracker = PeakTracker(self.owned, lambda: self.comm.phase)
         if torch.cuda.is_available() and self.params and self.params[0].is_cuda:
             torch.cuda.reset_peak_memory_stats()
         with tracker:
             yield tracker
         self.last_peak = tracker
-
-    def _owned_now(self) -> dict[str, list[torch.Tensor]]:
-        return self.owned()
 
     def tier_bytes(self) -> dict[str, dict[str, int]]:
         """Bytes by category on tiers other than the device ("host", "nvme"); offload fills it in."""

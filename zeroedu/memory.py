@@ -27,11 +27,6 @@ CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_state", "b
 MODEL_STATES = ("parameters", "gradients", "master_weights", "optimizer_state")
 
 
-def storage_key(t: torch.Tensor) -> tuple[int, int]:
-    st = t.untyped_storage()
-    return (st.data_ptr(), st.nbytes())
-
-
 def resident(owned: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
     """Bytes of the storages behind `owned` tensors, per category; a storage counts once, first category wins."""
     seen: set[int] = set()
@@ -128,7 +123,3 @@ class PeakTracker(TorchDispatchMode):
         sizes = self._sizes()
         return sum(sizes.get(v[2], v[0]) for v in self.live.values())
 
-
-def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of distinct storages behind some tensors (a convenience for notebooks and tests)."""
-    return resident({"x": list(tensors)})["x"]
