@@ -51,7 +51,7 @@ def _train(rank: int, world: int, stage: int, steps: int) -> dict:
         losses.append(loss)
     mem = engine.memory()
     return {"losses": losses, "times": times, "memory": mem, "ledger": engine.ledger.per_step(1),
-            "layout": [b.numel for b in engine.layout.buckets], "psi": sum(p.numel() for p in engine.params)}
+            "layout": [b.numel for b in engine.layout.buckets], "psi": engine.layout.numel}  # stage 3 empties params
 
 
 def run(world_size: int = 4, steps: int = 5, out: str | Path = "zeroedu_out/tour_memory.png",
