@@ -194,6 +194,14 @@ def test_offload_bytes_by_hand():
     assert f["host"] == {"parameters": 1000, "gradients": 1000, "master_weights": 0, "optimizer_state": 2000,
                          "total": 4000}
     assert theory.offload_bytes(1000, 4, 2, "fp32", "cpu")["host"]["master_weights"] == 1000
+    # ... unless the master is kept separate, as DeepSpeed does: 4 x 250 on the optimizer's tier, or on the
+    # device when only the parameters leave it.
+    sep = theory.offload_bytes(1000, 4, 3, "fp32", "cpu", "cpu", separate_fp32_master=True)
+    assert sep["host"]["master_weights"] == 1000 and sep["host"]["total"] == 5000
+    dev = theory.offload_bytes(1000, 4, 3, "fp32", "none", "cpu", separate_fp32_master=True)
+    assert dev["device"] == {"parameters": 0, "gradients": 1000, "master_weights": 1000, "optimizer_state": 2000,
+                             "total": 4000}
+    assert theory.offload_bytes(1000, 4, 3, "fp32", "none", "cpu")["device"]["master_weights"] == 0
     assert theory.offload_bytes(1000, 4, 2, "bf16", "cpu", host_grad_bytes=2)["host"]["gradients"] == 500
     # Nothing offloaded: the device holds model_state_bytes.
     assert theory.offload_bytes(1000, 4, 2)["device"] == theory.model_state_bytes(1000, 4, 2)
@@ -215,6 +223,9 @@ def test_offload_transfers_by_hand():
                   "nvme_to_host/optimizer": 3000, "host_to_nvme/optimizer": 3000,   # (4 + 8) x 250 each way
                   "nvme_to_host/parameters": 2000, "host_to_nvme/parameters": 500,
                   "host_device": 3000, "nvme": 8500, "total": 11500}
+    # fp32, everything on NVMe: the NVMe parameters are the master (8 x 250 each way), or not (12 x 250).
+    f = lambda **kw: theory.offload_transfer_bytes_per_step(1000, 4, 3, "fp32", "nvme", "nvme", **kw)
+    assert f()["nvme_to_host/optimizer"] == 2000 and f(separate_fp32_master=True)["nvme_to_host/optimizer"] == 3000
     tp = theory.offload_transfer_bytes_per_step(1000, 4, 3, "bf16", "none", "cpu")
     assert tp == {"host_to_device/parameters": 1000, "device_to_host/parameters": 500, "host_device": 1500,
                   "nvme": 0, "total": 1500}

@@ -276,15 +276,17 @@ def _check_offload(stage: int, offload_optimizer: str, offload_param: str) -> No
         if tier not in TIERS:
             raise ValueError(f"{name} must be one of {TIERS}, got {tier!r}.")
     if offload_optimizer != "none" and stage < 1:
-        raise ValueError("optimizer offload needs stage 1, 2 or 3 (the optimizer state must be partitioned).")
+        raise ValueError("optimizer offload needs stage 1, 2 or 3 (the optimizer state must be partitioned): "
+                         "raise the stage or set offload_optimizer='none'.")
     if offload_param != "none" and stage != 3:
         raise ValueError(f"parameter offload works only at stage 3 (only stage 3 partitions parameters); "
-                         f"got stage {stage}.")
+                         f"got stage {stage}: use stage 3 or offload_param='none'.")
 
 
 def offload_bytes(psi: int, world_size: int, stage: int, precision: str = "bf16", offload_optimizer: str = "none",
                   offload_param: str = "none", layout: Sequence[int] | None = None, optimizer: str = "adam",
-                  momentum: float = 0.0, host_grad_bytes: int = 4) -> dict[str, dict[str, int]]:
+                  momentum: float = 0.0, host_grad_bytes: int = 4,
+                  separate_fp32_master: bool = False) -> dict[str, dict[str, int]]:
     """Model-state bytes per rank on each tier: {"device": {...}, "host": {...}, "nvme": {...}}, each with the
     four model-state categories and "total".
 
@@ -297,7 +299,9 @@ def offload_bytes(psi: int, world_size: int, stage: int, precision: str = "bf16"
       host's staging buffers for NVMe reads and writes are not model states and are not counted.
     - The master copy exists on the optimizer's tier even for fp32 compute (the device's parameters are out
       of the CPU's reach), except when the fp32 parameter shard itself lives on that same tier (fp32 with
-      parameter offload to it): then it is the master.
+      parameter offload to it): then it is the master. `separate_fp32_master=True` drops that exception and
+      also keeps a 4 P/N fp32 master on the device for fp32 with parameter offload alone: a separate master
+      whenever parameters or optimizer leave the device (what DeepSpeed and zeroedu.offload do).
     - On the device, gradients: stage 1 still accumulates full gradients there (p P, reduced only at the
       boundary); stages 2 and 3 keep none (each reduced bucket goes straight to the host; the bucket buffers
       are not model states).
@@ -314,6 +318,8 @@ def offload_bytes(psi: int, world_size: int, stage: int, precision: str = "bf16"
     if offload_param != "none":
         tiers["device"]["parameters"] = 0
         tiers[tier_of[offload_param]]["parameters"] = p * shard
+        if separate_fp32_master and p == 4 and offload_optimizer == "none":
+            tiers["device"]["master_weights"] = 4 * shard
     if offload_optimizer != "none":
         dev = tiers["device"]
         dev["master_weights"] = dev["optimizer_state"] = 0
@@ -321,7 +327,7 @@ def offload_bytes(psi: int, world_size: int, stage: int, precision: str = "bf16"
             dev["gradients"] = 0
         tiers["host"]["gradients"] = host_grad_bytes * shard
         home = tier_of[offload_optimizer]
-        params_are_master = p == 4 and offload_param == offload_optimizer
+        params_are_master = p == 4 and offload_param == offload_optimizer and not separate_fp32_master
         tiers[home]["master_weights"] = 0 if params_are_master else 4 * shard
         tiers[home]["optimizer_state"] = o * shard
     for t in tiers.values():
@@ -332,7 +338,8 @@ def offload_bytes(psi: int, world_size: int, stage: int, precision: str = "bf16"
 def offload_transfer_bytes_per_step(psi: int, world_size: int, stage: int, precision: str = "bf16",
                                     offload_optimizer: str = "cpu", offload_param: str = "none",
                                     grad_accum: int = 1, layout: Sequence[int] | None = None,
-                                    optimizer: str = "adam", momentum: float = 0.0) -> dict[str, int]:
+                                    optimizer: str = "adam", momentum: float = 0.0,
+                                    separate_fp32_master: bool = False) -> dict[str, int]:
     """Bytes one rank moves between tiers in one optimizer step, keyed "source_to_destination/what", plus
     "host_device" (PCIe total), "nvme" (NVMe total) and "total". Shards are P/N elements.
 
@@ -345,8 +352,9 @@ def offload_transfer_bytes_per_step(psi: int, world_size: int, stage: int, preci
       2 p P/N per micro-step (forward and backward); with the optimizer on the device the updated shard goes
       device->host once a step. Persistent (small, never released) units are ignored.
     - NVMe: the optimizer reads and writes its master shard and state once a step ((m + o) P/N each way,
-      with m = 4 unless fp32 parameters on NVMe are the masters); NVMe parameters are read into the host before
-      every gather (2 p P/N per micro-step) and written back once a step (p P/N).
+      with m = 4 unless fp32 parameters on NVMe are the masters and not `separate_fp32_master`); NVMe
+      parameters are read into the host before every gather (2 p P/N per micro-step) and written back once a
+      step (p P/N).
     """
     _check_offload(stage, offload_optimizer, offload_param)
     shard = layout_numel(_layout(psi, layout), world_size) // world_size
@@ -362,7 +370,7 @@ def offload_transfer_bytes_per_step(psi: int, world_size: int, stage: int, preci
         if offload_optimizer == "none":
             out["device_to_host/parameters"] = p * shard
     if offload_optimizer == "nvme":
-        m = 0 if (p == 4 and offload_param == "nvme") else 4
+        m = 0 if (p == 4 and offload_param == "nvme" and not separate_fp32_master) else 4
         out["nvme_to_host/optimizer"] = out["host_to_nvme/optimizer"] = (m + o) * shard
     if offload_param == "nvme":
         out["nvme_to_host/parameters"] = fetches
@@ -403,7 +411,8 @@ def zeropp_comm_bytes(psi: int, world_size: int, node_size: int, qwz: bool = Fal
       `grad_bits` quantized gradients: inside the node each rank sends g-1 of its g slices of P/g (quantized
       per slice), the node reduces, and then each rank sends M-1 of the M pieces (P/N each, quantized per
       piece) of its node-reduced slice to its peers (same local rank) on the other nodes.
-    "collectives" lists each collective with its group, ring steps and bytes; "total" = intra + cross;
+    "collectives" lists each collective with its group size, "steps" (messages a rank sends one after another
+    for ONE unit, over the step's micro-steps), "algorithm" and bytes (all units); "total" = intra + cross;
     "cross_node_per_node" = g x cross_node, the bytes one node's ranks send to other nodes per step.
     Counts are averages over ranks and may be fractional when the flat ring splits unevenly.
     """

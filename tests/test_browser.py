@@ -1,0 +1,293 @@
+"""A real browser drives a real JupyterLab: run every cell from the Run menu, move an ipywidgets slider with the
+keyboard, and read the number the notebook prints before and after.
+
+What this catches that nbval cannot: the widgets lab extension missing or broken (a slider shows as the text
+"IntSlider(...)"), widget callbacks whose output never reaches the page, a kernel that does not start from
+JupyterLab. The browser is Debian's chromium (scripts/install_chromium.sh), driven by Python playwright through
+executable_path: no browser is ever downloaded. Everything listens on 127.0.0.1, with a token, in a temp root.
+
+A screenshot of the notebook after the slider moved is saved to out/browser/ (gitignored), and one of the page
+as it was whenever the test fails.
+
+To point the test at a course notebook, change NOTEBOOK, SLIDER_START, OUTPUT_PREFIX and expected_output().
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "tests" / "browser_fixtures" / "widget_slider.ipynb"
+ARTIFACTS = ROOT / "out" / "browser"
+CHROMIUM = os.environ.get("ZEROEDU_CHROMIUM", "/usr/bin/chromium")
+JUPYTER_LAB = Path(sys.executable).with_name("jupyter-lab")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+SERVER_START_S = 30.0
+UI_TIMEOUT_MS = 30_000        # kernel start + `import zeroedu` (torch) on a busy 2-core machine
+
+# the fixture: an IntSlider "ranks N" starting at 4, and a printed 16*Psi/N (ZeRO stage 3, Psi = 1e6)
+SLIDER_START = 4
+OUTPUT_PREFIX = "stage 3 model-state bytes per rank:"
+
+
+def expected_output(ranks: int, psi: int = 1_000_000) -> str:
+    """Stage 3 mixed-precision Adam: (2 + 2 + 12) bytes per parameter, partitioned over N ranks."""
+    return f"{OUTPUT_PREFIX} {16 * psi / ranks:,.0f}"
+
+
+def _skip_reason() -> str | None:
+    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        return (f"no Chromium at {CHROMIUM}: run scripts/install_chromium.sh (as root, Debian/Ubuntu) or set "
+                "ZEROEDU_CHROMIUM to a Chromium binary")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "Python playwright is not installed: pip install -e '.[test]'"
+    if not JUPYTER_LAB.exists():
+        return f"no {JUPYTER_LAB}: JupyterLab is not installed in this environment"
+    return None
+
+
+pytestmark = [pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason())), pytest.mark.timeout(120)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of pid, from /proc (the kernels the server started: they run in sessions of their own)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(entry.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):  # a zombie is dead for our purposes
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    return True
+
+
+class JupyterLab:
+    """JupyterLab on 127.0.0.1:<free port> with a token, serving `root`; config, data and settings under `home`
+    so that nothing from the user's ~/.jupyter changes what the test sees.
+
+    start() returns at once (the browser starts meanwhile), wait() blocks until the server answers, stop()
+    shuts it and its kernels down whatever state they are in.
+    """
+
+    def __init__(self, root: Path, home: Path) -> None:
+        self.token = secrets.token_hex(16)
+        config = home / "config"
+        (config / "labconfig").mkdir(parents=True)
+        # no "get Jupyter news?" toast over the notebook in the screenshot, and no check whether the lab assets
+        # need a rebuild (seconds of server CPU on every page load; the assets ship prebuilt)
+        (config / "labconfig" / "page_config.json").write_text(json.dumps(
+            {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True},
+             "buildCheck": False, "buildAvailable": False}))
+        self.env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config), "JUPYTER_DATA_DIR": str(home / "data"),
+                    "JUPYTER_RUNTIME_DIR": str(home / "runtime"), "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
+                    "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"), "IPYTHONDIR": str(home / "ipython"),
+                    "PYTHONPATH": str(ROOT)}  # the kernel imports this checkout's zeroedu, installed or not
+        self.root, self.log_path = root, home / "jupyterlab.log"
+        self.cmd = [str(JUPYTER_LAB), "--no-browser", "--ServerApp.ip=127.0.0.1", "--ServerApp.port_retries=0",
+                    f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
+                    "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--LabApp.news_url=",
+                    "--ServerApp.terminals_enabled=False",
+                    "--ServerApp.jpserver_extensions={'jupyter_lsp': False}",  # no language servers to scan for
+                    *(["--allow-root"] if os.geteuid() == 0 else [])]
+        self.server: subprocess.Popen | None = None
+        self.base = ""
+
+    def start(self) -> None:
+        port = _free_port()
+        self.base = f"http://127.0.0.1:{port}"
+        with open(self.log_path, "wb") as log:
+            self.server = subprocess.Popen([*self.cmd, f"--ServerApp.port={port}"], stdout=log,
+                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+                                           cwd=self.root, start_new_session=True)
+
+    def wait(self, tries: int = 3) -> None:
+        """Until the server answers. The free port can be taken between our probe and the server's bind: then
+        start again on another one."""
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            if self.server.poll() is not None:
+                log = self.log_path.read_text()
+                if "already in use" in log and tries > 1:
+                    self.start()
+                    return self.wait(tries - 1)
+                raise AssertionError(f"JupyterLab exited with {self.server.returncode} before answering:\n"
+                                     f"{log[-3000:]}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{self.base}/api/status?token={self.token}", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"JupyterLab did not answer on {self.base} within {SERVER_START_S:.0f} s:\n"
+                                     f"{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.25)
+
+    def url(self, path: str) -> str:
+        return f"{self.base}/{path}?token={self.token}"
+
+    def stop(self) -> None:
+        """Stop the kernels (nothing in them to save), ask the server to shut down, then insist; no kernel may
+        outlive the test."""
+        if self.server is None:
+            return
+        kernels = _children(self.server.pid)
+        for pid in kernels:  # the server's polite kernel shutdown waits seconds for each; SIGTERM is enough
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGTERM)
+        with contextlib.suppress(OSError):
+            req = urllib.request.Request(self.url("api/shutdown"), method="POST", data=b"")
+            urllib.request.urlopen(req, timeout=5).close()
+        try:
+            self.server.wait(10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.server.pid, signal.SIGKILL)
+            self.server.wait(5)
+        for pid in kernels:
+            deadline = time.monotonic() + 5
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if _alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)  # kernels lead their own session: kill it whole
+
+
+@contextlib.contextmanager
+def jupyterlab(root: Path, home: Path) -> Iterator[JupyterLab]:
+    lab = JupyterLab(root, home)
+    try:
+        lab.start()
+        yield lab
+    finally:
+        lab.stop()
+
+
+def _kernel_state(lab: JupyterLab, notebook: str) -> str | None:
+    """execution_state of the kernel of notebook's session, from the server's REST API; None while it has none."""
+    with urllib.request.urlopen(lab.url("api/sessions"), timeout=5) as r:
+        sessions = json.load(r)
+    for session in sessions:
+        if session.get("path") == notebook and session.get("kernel"):
+            return session["kernel"].get("execution_state")
+    return None
+
+
+def _start_kernel(page, lab: JupyterLab) -> None:
+    """Wait until the notebook's kernel is up and idle. JupyterLab 4 may first ask which kernel to start (the
+    "Select Kernel" dialog): answer it with the preferred kernel, as a learner would."""
+    select = page.locator(".jp-Dialog", has_text="Select Kernel")
+    deadline = time.monotonic() + UI_TIMEOUT_MS / 1000
+    while _kernel_state(lab, NOTEBOOK.name) != "idle":
+        if select.is_visible():
+            select.locator(".jp-Dialog-button.jp-mod-accept").click()  # "Select"
+        assert time.monotonic() < deadline, "the notebook's kernel did not start and become idle"
+        page.wait_for_timeout(200)
+    select.wait_for(state="hidden")
+    # the page has connected to it too: the toolbar's kernel indicator says idle
+    page.locator(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for()
+
+
+def _readout(page) -> str:
+    return page.locator(".widget-readout").first.inner_text().strip()
+
+
+def test_slider_changes_printed_result_in_jupyterlab(tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=UI_TIMEOUT_MS)
+
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copy(NOTEBOOK, root / NOTEBOOK.name)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / f"{NOTEBOOK.stem}.png"
+    failure_shot = ARTIFACTS / f"{NOTEBOOK.stem}-failure.png"
+    for old in (shot, failure_shot):
+        old.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    phases: list[str] = []  # where the time goes, printed at the end (pytest -s) to keep the test fast
+
+    def phase(name: str) -> None:
+        phases.append(f"{name} {time.monotonic() - t0:.1f}s")
+
+    with jupyterlab(root, tmp_path / "home") as lab, sync_playwright() as pw:
+        browser = pw.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+            viewport={"width": 1280, "height": 800})
+        try:
+            page = browser.pages[0] if browser.pages else browser.new_page()
+            page.set_default_timeout(UI_TIMEOUT_MS)
+            phase("browser")
+            try:
+                lab.wait()
+                phase("server")
+                page.goto(lab.url(f"lab/tree/{NOTEBOOK.name}"), wait_until="domcontentloaded")
+                page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for()
+                phase("notebook")
+                _start_kernel(page, lab)
+                phase("kernel")
+
+                # Run > Run All Cells, as a learner would
+                page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+                page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+
+                slider = page.locator(".jupyter-widgets.widget-slider").first
+                slider.wait_for()
+                # the innermost output area holding the text: the Output widget's, not the cell's around it
+                output = page.locator(".jp-OutputArea-output", has_text=OUTPUT_PREFIX).last
+                expect(output).to_have_text(expected_output(SLIDER_START))
+                assert _readout(page) == str(SLIDER_START)
+                phase("run all")
+
+                # move the slider one step right with the keyboard: focus its handle, press ArrowRight
+                page.locator(".noUi-handle").first.focus()
+                page.keyboard.press("ArrowRight")
+                expect(page.locator(".widget-readout").first).to_have_text(str(SLIDER_START + 1))
+                expect(output).to_have_text(expected_output(SLIDER_START + 1))
+                assert expected_output(SLIDER_START + 1) != expected_output(SLIDER_START)
+
+                phase("slider")
+                page.locator(".jp-NotebookPanel").screenshot(path=str(shot))
+            except Exception:
+                with contextlib.suppress(Exception):
+                    page.screenshot(path=str(failure_shot), full_page=True)
+                raise
+        finally:
+            browser.close()
+            phase("browser closed")
+
+    assert shot.stat().st_size > 10_000, "the screenshot is suspiciously small"
+    phase("server stopped")
+    print(f"browser test: {', '.join(phases)}; screenshot {shot.relative_to(ROOT)}")

@@ -1,0 +1,218 @@
+"""zeroedu.viz draws what it is given: bar heights, theory markers, timeline boxes and curves are checked
+against the input numbers (and, for the alpha-beta lines, against the closed form written out here)."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.collections import PolyCollection  # noqa: E402
+from matplotlib.container import BarContainer  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+import zeroedu  # noqa: E402
+from zeroedu import viz  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+KiB = 1024
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+def bars_by_label(ax) -> dict[str, list[tuple[float, float]]]:
+    """{legend label: [(bottom, height) per bar]} from the axes' bar containers."""
+    return {c.get_label(): [(r.get_y(), r.get_height()) for r in c.patches]
+            for c in ax.containers if isinstance(c, BarContainer)}
+
+
+def theory_lines(ax) -> list[float]:
+    return [line.get_ydata()[0] for line in ax.get_lines() if line.get_gid() == "theory"]
+
+
+def test_memory_bars_stack_categories_in_order_with_theory_markers():
+    per_bar = {
+        "stage 0": {"parameters": 4 * KiB, "gradients": 4 * KiB, "optimizer_state": 8 * KiB, "buckets": 0},
+        "stage 1": {"parameters": 4 * KiB, "gradients": 4 * KiB, "optimizer_state": 2 * KiB, "activations": KiB},
+    }
+    fig = viz.memory_bars(per_bar, theory={"stage 0": 16 * KiB, "stage 1": 10 * KiB}, unit="KiB")
+    assert isinstance(fig, Figure)
+    ax = fig.axes[0]
+    bars = bars_by_label(ax)
+    # buckets are zero everywhere: no segment; the rest stack in CATEGORIES order
+    assert list(bars) == ["parameters", "gradients", "optimizer state", "activations"]
+    assert bars["parameters"] == [(0, 4), (0, 4)]
+    assert bars["gradients"] == [(4, 4), (4, 4)]
+    assert bars["optimizer state"] == [(8, 8), (8, 2)]
+    assert bars["activations"] == [(16, 0), (10, 1)]
+    assert theory_lines(ax) == [16, 10]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["stage 0", "stage 1"]
+    # one colour per category, the same in every notebook
+    colors = {c.get_label(): c.patches[0].get_facecolor() for c in ax.containers if isinstance(c, BarContainer)}
+    assert colors["parameters"] == matplotlib.colors.to_rgba(viz.CATEGORY_COLORS["parameters"])
+    assert colors["optimizer state"] == matplotlib.colors.to_rgba(viz.CATEGORY_COLORS["optimizer_state"])
+    assert "KiB" in ax.get_ylabel()
+
+
+def test_memory_bars_picks_a_unit_and_skips_missing_theory():
+    fig = viz.memory_bars({"a": {"parameters": 3 * 2**20}, "b": {"parameters": 2**20}}, theory={"a": 3 * 2**20})
+    ax = fig.axes[0]
+    assert "MiB" in ax.get_ylabel()
+    assert bars_by_label(ax)["parameters"] == [(0, 3), (0, 1)]
+    assert theory_lines(ax) == [3]
+    with pytest.raises(ValueError, match="nothing to draw"):
+        viz.memory_bars({})
+
+
+def test_ledger_bars_stack_phase_ops_and_ignore_total():
+    per_bar = {
+        "stage 0": {"backward/all_reduce": 6000, "total": 6000},
+        "stage 3": {"forward/all_gather": 3000, "backward/all_gather": 3000, "backward/reduce_scatter": 3000,
+                    "total": 9000},
+    }
+    fig = viz.ledger_bars(per_bar, theory={"stage 0": 6000, "stage 3": 9000}, unit="B")
+    ax = fig.axes[0]
+    bars = bars_by_label(ax)
+    assert "total" not in bars
+    # forward before backward; within a phase by op name
+    assert list(bars) == ["forward/all-gather", "backward/all-gather", "backward/all-reduce",
+                          "backward/reduce-scatter"]
+    assert bars["backward/all-reduce"] == [(0, 6000), (6000, 0)]
+    tops = [sum(h for _, h in (bars[k][i] for k in bars)) for i in range(2)]
+    assert tops == [6000, 9000]
+    assert theory_lines(ax) == [6000, 9000]
+
+
+def boxes(ax) -> dict[str, list[tuple[float, float, float]]]:
+    """{gid: [(x, width, y)]} for the broken_barh boxes."""
+    out: dict[str, list] = {}
+    for coll in ax.collections:
+        if isinstance(coll, PolyCollection) and coll.get_gid():
+            for path in coll.get_paths():
+                v = path.vertices
+                out.setdefault(coll.get_gid(), []).append(
+                    (round(v[:, 0].min(), 6), round(v[:, 0].max() - v[:, 0].min(), 6), round(v[:, 1].min(), 6)))
+    return out
+
+
+def test_timeline_places_compute_and_comm_boxes_per_rank():
+    t0 = 1000.0
+    ranks = [
+        {"rank": 0, "compute": [("forward", t0, t0 + 0.010), ("backward", t0 + 0.010, t0 + 0.030)],
+         "comm": [("all_reduce", "grads", "backward", t0 + 0.020, 0.005, 100)]},
+        {"rank": 1, "compute": [("forward", t0 + 0.002, t0 + 0.012)],
+         "comm": [("all_reduce", "grads", "backward", t0 + 0.021, 0.004, 100)]},
+    ]
+    fig = viz.timeline(ranks)
+    ax = fig.axes[0]
+    b = boxes(ax)
+    # times in ms from the earliest start; rank 0 drawn on top (y = 1), rank 1 below (y = 0)
+    assert b["compute:forward"] == [(0.0, 10.0, 1.05), (2.0, 10.0, 0.05)]
+    assert b["compute:backward"] == [(10.0, 20.0, 1.05)]
+    assert b["comm:all_reduce"] == [(20.0, 5.0, 0.57), (21.0, 4.0, -0.43)]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
+    with pytest.raises(ValueError, match="no compute phase"):
+        viz.timeline([{"rank": 0, "compute": [], "comm": []}])
+
+
+def _timeline_rank(rank: int, world: int) -> dict:
+    from zeroedu.models import MLP, mlp_batch, mlp_loss, shard_batch
+
+    engine, *_ = zeroedu.initialize(model=MLP(seed=0), config={
+        "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1, "reduce_bucket_size": 1000}})
+    x, y = shard_batch(*mlp_batch(0, 8), rank, world)
+    engine.train_batch((x, y), mlp_loss)
+    return {"data": viz.timeline_data(engine, step=0), "n_entries": len(engine.ledger.select(step=0)),
+            "phases": [p for p, _, _ in engine.timeline]}
+
+
+def test_timeline_data_from_real_ranks_draws():
+    results = zeroedu.launch(_timeline_rank, world_size=2)
+    for rank, r in enumerate(results):
+        data = r["data"]
+        assert data["rank"] == rank
+        assert [p for p, _, _ in data["compute"]] == r["phases"] == ["forward", "backward", "step"]
+        assert len(data["comm"]) == r["n_entries"] > 0
+        ops = {c[0] for c in data["comm"]}
+        # init broadcasts the weights; the step: grads, params, the norm scalar
+        assert ops == {"broadcast", "reduce_scatter", "all_gather", "all_reduce"}
+    fig = viz.timeline([r["data"] for r in results])
+    b = boxes(fig.axes[0])
+    assert len(b["comm:reduce_scatter"]) == sum(
+        1 for r in results for c in r["data"]["comm"] if c[0] == "reduce_scatter")
+
+
+def test_scaling_plot_points_and_curves():
+    measured = {"stage 0": {1: 16 * KiB, 2: 16 * KiB}, "stage 3": {1: 16 * KiB, 2: 8 * KiB}}
+    theory = {"stage 3": {1: 16 * KiB, 2: 8 * KiB, 4: 4 * KiB}}
+    fig = viz.scaling_plot(measured, theory, unit="KiB")
+    ax = fig.axes[0]
+    got = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+    assert got["stage 0: measured"] == ([1, 2], [16, 16])
+    assert got["stage 3: measured"] == ([1, 2], [16, 8])
+    assert got["stage 3: theory"] == ([1, 2, 4], [16, 8, 4])
+    assert "stage 0: theory" not in got
+
+
+def test_alpha_beta_plot_lines_follow_the_ring_model():
+    alpha, beta, n = 50e-6, 1e9, 4
+    sizes = [1e3, 1e5, 1e7]
+    fig = viz.alpha_beta_plot(sizes, {"all_reduce": [1e-4, 5e-4, 0.03]}, world_size=n, fit=(alpha, beta))
+    ax = fig.axes[0]
+    (measured,) = [ln for ln in ax.get_lines() if ln.get_gid() == "measured"]
+    (model,) = [ln for ln in ax.get_lines() if ln.get_gid() == "theory"]
+    assert list(measured.get_ydata()) == pytest.approx([0.1, 0.5, 30.0])
+    # ring all-reduce: 2(N-1) steps of latency, 2(N-1)/N * S bytes sent
+    x = model.get_xdata()
+    want = [(2 * (n - 1) * alpha + 2 * (n - 1) * int(s) / n / beta) * 1e3 for s in x]
+    assert list(model.get_ydata()) == pytest.approx(want)
+
+
+def test_ring_grid_one_panel_per_step_with_contributors():
+    n = 3
+    start = np.array([[1 << r] * n for r in range(n)])
+    after = start.copy()
+    after[0, 2] = 0b011
+    fig = viz.ring_grid([start, after], titles=["start", "step 1"])
+    assert len(fig.axes) == 2
+    texts = [t.get_text() for t in fig.axes[1].texts]
+    assert texts[2] == "0+1"          # rank 0, chunk 2 holds ranks 0 and 1's contributions
+    full = np.full((n, n), 0b111)
+    fig = viz.ring_grid([full])
+    assert {t.get_text() for t in fig.axes[0].texts} == {"all"}
+
+
+def test_fmt_bytes_and_table():
+    assert viz.fmt_bytes(512) == "512 B"
+    assert viz.fmt_bytes(1536) == "1.5 KiB"
+    assert viz.fmt_bytes(112e9, unit="GB", digits=0) == "112 GB"
+    with pytest.raises(ValueError, match="unit must be"):
+        viz.fmt_bytes(1, unit="furlongs")
+    text = viz.table([["stage 0", 16], ["stage 3", 4]], ["stage", "bytes"])
+    assert text.splitlines() == ["stage    bytes", "-------  -----", "stage 0     16", "stage 3      4"]
+    with pytest.raises(ValueError, match="2 headers"):
+        viz.table([[1, 2, 3]], ["a", "b"])
+
+
+@pytest.mark.timeout(120)
+def test_every_figure_shows_in_a_notebook():
+    """In a Jupyter kernel each cell that draws shows its figure (the inline backend), the second one too."""
+    import nbclient
+    import nbformat
+
+    draw = "from zeroedu import viz\nfig = viz.memory_bars({'stage 0': {'parameters': 10}})"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(draw), nbformat.v4.new_code_cell(draw),
+                nbformat.v4.new_code_cell("fig = viz.timeline([{'rank': 0, 'compute': [('forward', 0.0, 1.0)], "
+                                          "'comm': []}])")]
+    nbclient.NotebookClient(nb, kernel_name="python3", timeout=60).execute()
+    for cell in nb.cells:
+        assert [o for o in cell.outputs if "image/png" in o.get("data", {})], cell.source

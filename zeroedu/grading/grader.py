@@ -1,0 +1,691 @@
+"""`zeroedu grade PATH... [--json F] [--csv F] [--timeout S]`: grade exercise notebooks, print a gradebook.
+
+    zeroedu grade exercises/ex01_memory_formulas.ipynb     # one notebook
+    zeroedu grade submissions/ --json grades.json --csv grades.csv
+                                     # submissions/<learner>/*.ipynb, one folder per learner
+
+How a notebook is graded, the way nbgrader's autograder does it:
+1. It is matched to solutions/<same name>.ipynb (or, if renamed, to the solution sharing most nbgrader
+   grade_ids). The learner's answer cells are kept; every test and locked cell is restored from the solution,
+   hidden tests included, so editing a test or the setup changes nothing. Extra cells the learner added run
+   where they are.
+2. It runs in a fresh python3 kernel (nbclient), in a temporary working folder holding a copy of the notebook,
+   cell by cell: a cell that fails does not stop the next, so each test cell is graded on its own. A test cell
+   scores its nbgrader points when it runs without error, else zero with the first error in plain words.
+3. Limits: --timeout seconds per cell (the kernel is interrupted; if it ignores that, its whole process group
+   is killed and a fresh kernel replays the cells that had run), --notebook-timeout for the whole notebook
+   (kernel start-up and the notebook's `grader_setup` code are not counted), and --max-output bytes of output
+   kept (print() is capped inside the kernel too). launch() inside a test gets a few seconds less than the
+   cell (ZEROEDU_TEST_TIMEOUT), so deadlocked ranks end with launch's own report of where they wait.
+   A file-system guard (an audit hook, see guard/sitecustomize.py) refuses deletes, renames and overwrites
+   outside the working folder and the report names them.
+
+Limits, honestly: this grades course exercises from learners acting in good faith. The audit hook stops
+accidents, not attacks: ctypes, other programs (rm), a process that leaves the kernel's process group, one
+enormous output message, and learner code that patches the test helpers all get around it. Grade untrusted
+code inside a container or a throwaway VM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import csv
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import DeadKernelError
+
+from zeroedu.grading import notebook as nbtools
+from zeroedu.grading.build import default_dir
+
+GUARD_DIR = Path(__file__).resolve().parent / "guard"
+PROBE_SECONDS = 5.0       # after a timeout, how long an interrupted kernel gets to answer again
+MAX_RESTARTS = 3          # fresh kernels per notebook after kills or crashes
+TIMEOUT_ENAME = "GraderTimeout"
+STARTUP_SECONDS = 180     # kernel start plus the set-up code: importing torch on a loaded machine is slow
+DEFAULT_SETUP = "import zeroedu.grading"
+# Runs in the kernel before anything else: caps what print() can push through ZeroMQ at the source, so a
+# runaway loop of prints costs the grader little even before its own cap (in _Client.output) drops the rest.
+OUTPUT_CAP = """
+import sys as _sys
+
+def _zeroedu_cap(stream, budget):
+    write, left = stream.write, [budget]
+    def capped(text):
+        if left[0] <= 0:
+            return len(text)
+        left[0] -= len(text)
+        return write(text if left[0] >= 0 else text[:left[0] + len(text)])
+    stream.write = capped
+
+_zeroedu_cap(_sys.stdout, {budget})
+_zeroedu_cap(_sys.stderr, {budget})
+del _zeroedu_cap, _sys
+"""
+
+
+@dataclass
+class TestResult:
+    grade_id: str
+    name: str
+    points: float
+    max_points: float
+    passed: bool
+    message: str = ""
+    hidden: bool = False
+
+
+@dataclass
+class ExerciseResult:
+    learner: str
+    exercise: str
+    path: str
+    status: str = "graded"     # graded | not submitted | unknown exercise | unreadable
+    points: float = 0.0
+    max_points: float = 0.0
+    tests: list[TestResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> int:
+        return sum(t.passed for t in self.tests)
+
+    @property
+    def first_failure(self) -> str:
+        if self.status != "graded":
+            return self.notes[0] if self.notes else self.status
+        failed = next((t for t in self.tests if not t.passed), None)
+        return f"{failed.name}: {failed.message}" if failed else ""
+
+
+@dataclass
+class CellRun:
+    status: str                 # ok | error | timeout | killed | died | skipped | not run
+    ename: str = ""
+    evalue: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class Limits:
+    cell_timeout: float = 120.0
+    notebook_timeout: float = 900.0
+    max_output: int = 1_000_000
+
+
+# -- which solution, and the notebook to run ---------------------------------------------------------------
+
+def _grade_ids(nb: Any) -> set[str]:
+    return {gid for c in nb.cells if (gid := nbtools.nbgrader_meta(c).get("grade_id"))}
+
+
+def match_solution(path: Path, nb: Any, solutions: dict[str, Any]) -> str | None:
+    if path.stem in solutions:
+        return path.stem
+    ids = _grade_ids(nb)
+    best = max(solutions, key=lambda s: len(ids & _grade_ids(solutions[s])), default=None)
+    return best if best is not None and ids & _grade_ids(solutions[best]) else None
+
+
+def _by_grade_id(nb: Any) -> dict[str, Any]:
+    return {gid: c for c in nb.cells if (gid := nbtools.nbgrader_meta(c).get("grade_id"))}
+
+
+def assemble(submission: Any, solution: Any) -> Any:
+    """The notebook to run: the learner's cells in the learner's order, answers kept, every other graded or
+    locked cell replaced by the solution's (hidden tests included), missing ones put back where they were."""
+    by_id = _by_grade_id(solution)
+    stubs = _by_grade_id(nbtools.to_exercise(solution, ""))
+    cells: list[Any] = []
+    used: set[str] = set()
+    for cell in submission.cells:
+        gid = nbtools.nbgrader_meta(cell).get("grade_id")
+        if gid in by_id and gid not in used:
+            used.add(gid)
+            ref = by_id[gid]
+            if nbtools.cell_info(ref).role == "answer":
+                new = copy.deepcopy(ref)
+                new.source = cell.get("source", "")
+            else:
+                new = copy.deepcopy(ref)
+            cells.append(_tagged(new, gid))
+        elif gid in by_id and nbtools.cell_info(by_id[gid]).role != "answer":
+            continue  # a copied test or locked cell: run it once, from the solution
+        elif cell.get("cell_type") in ("code", "markdown"):
+            new = copy.deepcopy(cell)
+            new.metadata.pop("nbgrader", None)
+            cells.append(_tagged(new, None))
+    # Put back graded cells the learner deleted, after the solution cell that precedes them.
+    for index, ref in enumerate(solution.cells):
+        gid = nbtools.nbgrader_meta(ref).get("grade_id")
+        if not gid or gid in used:
+            continue
+        used.add(gid)
+        new = copy.deepcopy(stubs[gid] if nbtools.cell_info(ref).role == "answer" else ref)
+        before = {g for c in solution.cells[:index] if (g := nbtools.nbgrader_meta(c).get("grade_id"))}
+        position = 0
+        for i, c in enumerate(cells):
+            if c.metadata.get("zeroedu_grade", {}).get("grade_id") in before:
+                position = i + 1
+        cells.insert(position, _tagged(new, gid))
+    nb = copy.deepcopy(solution)
+    nb.cells = cells
+    for index, cell in enumerate(nb.cells):
+        cell.id = f"graded-{index}"
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    return nb
+
+
+def _tagged(cell: Any, grade_id: str | None) -> Any:
+    cell.metadata["zeroedu_grade"] = {"grade_id": grade_id}
+    cell.pop("id", None)  # the learner's copy and the solution's may share ids
+    return cell
+
+
+# -- running ---------------------------------------------------------------------------------------------
+
+_QUIET = logging.getLogger("zeroedu.grading.nbclient")  # nbclient logs timeouts as errors; we report them ourselves
+_QUIET.setLevel(logging.CRITICAL)
+
+
+class _Client(NotebookClient):
+    """nbclient with a cap on the output it keeps: a learner printing gigabytes costs us nothing."""
+
+    def __init__(self, nb: Any, max_output: int, **kw: Any) -> None:
+        super().__init__(nb, **kw)
+        self.max_output = max_output
+        self.output_bytes = 0
+        self.truncated = False
+
+    def output(self, outs: list, msg: dict, display_id: str | None, cell_index: int) -> Any:
+        content = msg.get("content", {})
+        size = len(content.get("text", "")) + sum(len(str(v)) for v in content.get("data", {}).values())
+        room = self.max_output - self.output_bytes
+        self.output_bytes += size
+        if size <= room or msg.get("msg_type") == "error":  # errors are how tests fail: always keep them
+            return super().output(outs, msg, display_id, cell_index)
+        if self.truncated:
+            return None
+        self.truncated = True
+        if msg.get("msg_type") == "stream" and room > 0:  # keep the start of the text that crosses the limit
+            msg = {**msg, "content": {**content, "text": content["text"][:room]}}
+            super().output(outs, msg, display_id, cell_index)
+        outs.append(nbformat.v4.new_output("stream", name="stderr", text=(
+            f"\n[zeroedu grade: output cut here; the notebook printed more than {self.max_output} bytes]\n")))
+        return None
+
+
+class _Runner:
+    """Runs one assembled notebook: one kernel (or a fresh one after a kill), one cell at a time."""
+
+    def __init__(self, nb: Any, workdir: Path, private: Path, limits: Limits) -> None:
+        self.nb = nb
+        self.workdir = workdir
+        self.private = private
+        self.limits = limits
+        self.runs: list[CellRun] = [CellRun("not run") for _ in nb.cells]
+        self.notes: list[str] = []
+        self.truncated = False
+        self.t0 = time.monotonic()
+        self.pgid: int | None = None
+        self.log_offset = 0
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        tmp = self.workdir / ".tmp"
+        tmp.mkdir(exist_ok=True)
+        env.update(
+            ZEROEDU_GRADE_ROOT=str(self.workdir), ZEROEDU_GRADE_LOG=str(self.private / "refused.jsonl"),
+            PYTHONPATH=os.pathsep.join([str(GUARD_DIR), *filter(None, [env.get("PYTHONPATH")])]),
+            TMPDIR=str(tmp), PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="Agg",
+            # launch() inside a test gives up a little before the cell would be killed: a clearer message.
+            ZEROEDU_TEST_TIMEOUT=f"{self.test_timeout():g}",
+        )
+        env.pop("JPY_PARENT_PID", None)
+        return env
+
+    def test_timeout(self) -> float:
+        """Seconds a launch() inside a test may take: a few seconds under the cell's limit, so that launch can
+        stop its ranks and say which line each waits on before the grader interrupts the cell."""
+        t = self.limits.cell_timeout
+        return max(1.0, min(0.75 * t, t - 3.0))
+
+    def left(self) -> float:
+        return self.limits.notebook_timeout - (time.monotonic() - self.t0)
+
+    def run(self) -> None:
+        start = 0
+        for attempt in range(MAX_RESTARTS + 1):
+            start = asyncio.run(self._session(start, replay=attempt > 0))
+            if start >= len(self.nb.cells):
+                return
+            if self.left() <= 0:
+                break
+        for i in range(start, len(self.nb.cells)):
+            if self.runs[i].status == "not run" and self.nb.cells[i].cell_type == "code":
+                self.runs[i] = CellRun("not run", evalue="the kernel was restarted too often")
+
+    async def _session(self, start: int, replay: bool) -> int:
+        """Run cells from `start` in a fresh kernel; return where to resume if the kernel had to go."""
+        client = _Client(self.nb, self.limits.max_output, log=_QUIET, kernel_name="python3", allow_errors=True,
+                         interrupt_on_timeout=True, record_timing=False, iopub_timeout=2,
+                         resources={"metadata": {"path": str(self.workdir)}}, startup_timeout=STARTUP_SECONDS)
+        replies: dict[int, dict] = {}
+
+        def on_executed(cell: Any, cell_index: int, execute_reply: dict | None) -> None:
+            if execute_reply is not None:
+                replies[cell_index] = execute_reply.get("content", {})
+
+        client.on_cell_executed = on_executed
+        log = open(self.private / "kernel.log", "ab")  # noqa: SIM115 -- the kernel writes to it until it ends
+        self.pgid = None
+        try:
+            async with client.async_setup_kernel(env=self.env(), stdout=log, stderr=log):
+                self.pgid = getattr(client.km.provisioner, "pgid", None)
+                problem = await self._setup(client)
+                if problem:
+                    self.notes.append(problem)
+                    for j in range(start, len(self.nb.cells)):
+                        self.runs[j] = CellRun("not run", evalue=problem)
+                    return len(self.nb.cells)
+                if not replay:
+                    self.t0 = time.monotonic()  # the notebook's clock starts with its first cell, not the kernel
+                if replay:
+                    for i in range(start):
+                        if self.runs[i].status == "ok" and self._role(i) not in ("test", "markdown"):
+                            status = await self._execute(client, replies, i, record=False)
+                            if status in ("killed", "died"):
+                                return start  # try again in another fresh kernel (MAX_RESTARTS bounds it)
+                for i in range(start, len(self.nb.cells)):
+                    if self.left() <= 0:
+                        self.notes.append(f"the notebook ran past its {self.limits.notebook_timeout:g} s limit: "
+                                          f"cells from {i} on did not run")
+                        for j in range(i, len(self.nb.cells)):
+                            self.runs[j] = CellRun("not run", evalue=(
+                                f"the notebook ran past its {self.limits.notebook_timeout:g} s limit"))
+                        return len(self.nb.cells)
+                    status = await self._execute(client, replies, i)
+                    if status in ("killed", "died"):
+                        return i + 1
+            return len(self.nb.cells)
+        except DeadKernelError:
+            return start + 1
+        finally:
+            self.truncated |= client.truncated
+            self._kill()  # whatever the kernel started in its process group goes too
+            log.close()
+
+    def _kill(self) -> None:
+        if self.pgid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, signal.SIGKILL)
+            self.pgid = None
+
+    def _role(self, i: int) -> str:
+        cell = self.nb.cells[i]
+        return nbtools.cell_info(cell).role if cell.metadata.get("zeroedu_grade", {}).get("grade_id") else (
+            "markdown" if cell.cell_type != "code" else "free")
+
+    async def _execute(self, client: _Client, replies: dict, i: int, record: bool = True) -> str:
+        cell = self.nb.cells[i]
+        if cell.cell_type != "code" or not cell.source.strip():
+            return "ok"
+        if nbtools.SKIP_TAG in cell.metadata.get("tags", []):
+            self.runs[i] = CellRun("skipped")
+            return "ok"
+        timeout = max(1.0, min(self.limits.cell_timeout, self.left()))
+        client.timeout = int(timeout + 0.999)
+        client.error_on_timeout = {"ename": TIMEOUT_ENAME, "evalue": f"{timeout:g}", "traceback": []}
+        replies.pop(i, None)
+        t0 = time.monotonic()
+        self.log_offset = self._log_size()
+        try:
+            await client.async_execute_cell(cell, i)
+        except DeadKernelError:
+            run = CellRun("died", evalue=self._kernel_tail())
+            if record:
+                self.runs[i] = run
+            return "died"
+        reply = replies.get(i, {})
+        run = CellRun("ok", seconds=time.monotonic() - t0)
+        if reply.get("status") == "error":
+            run = CellRun("error", reply.get("ename", ""), reply.get("evalue", ""), run.seconds)
+        if run.ename == TIMEOUT_ENAME:
+            run.status = "timeout"
+            if not await self._responsive(client):
+                run.status = "killed"
+                self._kill()
+        if record:
+            self.runs[i] = run
+        return run.status
+
+    async def _setup(self, client: _Client) -> str:
+        """Run the notebook's grader_setup code (imports, the forkserver) before any learner cell: start-up time
+        is not the learner's, so it gets STARTUP_SECONDS, not the per-cell limit. Returns a problem or ''."""
+        code = self.nb.metadata.get("zeroedu", {}).get("grader_setup") or DEFAULT_SETUP
+        # +1: the grader's own cap must see the crossing to note it; the kernel's only stops the flood
+        cell = nbformat.v4.new_code_cell(OUTPUT_CAP.format(budget=self.limits.max_output + 1) + "\n" + code)
+        first = self.nb.cells[0]
+        client.timeout = STARTUP_SECONDS
+        client.interrupt_on_timeout = False
+        try:
+            await client.async_execute_cell(cell, 0)
+        except Exception as e:  # CellTimeoutError, DeadKernelError
+            return f"the grader's set-up code did not run in the kernel ({type(e).__name__}: {str(e)[:200]})"
+        finally:
+            client.interrupt_on_timeout = True
+            self.nb.cells[0] = first
+        errors = [o for o in cell.outputs if o.get("output_type") == "error"]
+        if errors:
+            return f"the grader's set-up code failed: {errors[0]['ename']}: {errors[0]['evalue']}"
+        return ""
+
+    async def _responsive(self, client: _Client) -> bool:
+        """After an interrupt: does the kernel run a trivial cell again within PROBE_SECONDS?"""
+        probe = nbformat.v4.new_code_cell("pass")
+        first = self.nb.cells[0]  # async_execute_cell stores the cell it ran at the index it is given
+        client.timeout = int(PROBE_SECONDS)
+        client.interrupt_on_timeout = False
+        try:
+            await client.async_execute_cell(probe, 0)
+            return True
+        except Exception:  # CellTimeoutError, DeadKernelError
+            return False
+        finally:
+            client.interrupt_on_timeout = True
+            self.nb.cells[0] = first
+
+    def _label(self, i: int) -> str:
+        gid = self.nb.cells[i].metadata.get("zeroedu_grade", {}).get("grade_id")
+        return f"'{gid}'" if gid else "a cell you added"
+
+    def _log_size(self) -> int:
+        try:
+            return (self.private / "kernel.log").stat().st_size
+        except OSError:
+            return 0
+
+    def _kernel_tail(self) -> str:
+        """The last line the kernel wrote to its stderr while the fatal cell ran."""
+        try:
+            with open(self.private / "kernel.log", "rb") as f:
+                f.seek(self.log_offset)
+                text = f.read().decode(errors="replace").strip().splitlines()
+        except OSError:
+            text = []
+        last = text[-1] if text else ""
+        return f"last kernel message: {last[:200]}" if last else "no message: os._exit, a crash in native code, " \
+            "or the out-of-memory killer"
+
+
+def _test_name(cell: Any, grade_id: str) -> str:
+    names = re.findall(r"\bcheck\(\s*f?[\"']([^\"']+)[\"']", cell.source)
+    return "; ".join(names) if names else grade_id
+
+
+_RUN_IT = ": run the cell that defines it first, and fix it if it fails"  # check.describe_exception says the same
+
+
+def _plain(run: CellRun) -> str:
+    """A failed test cell's outcome in plain words."""
+    if run.status == "timeout":
+        return (f"timed out after {run.evalue or '?'} s and was interrupted: an infinite loop, or ranks waiting for "
+                "each other (a deadlock)")
+    if run.status == "killed":
+        return (f"ran past {run.evalue or '?'} s and ignored the interrupt: the kernel and every process it "
+                "started were killed, and a fresh kernel ran the cells after it")
+    if run.status == "died":
+        return f"the kernel died while it ran ({run.evalue}); a fresh kernel ran the cells after it"
+    if run.status == "not run":
+        return f"not run: {run.evalue}" if run.evalue else "not run"
+    ename, evalue = run.ename, run.evalue
+    if ename == "CheckFailed":
+        return evalue
+    if ename == "NotImplementedError":
+        return f"not implemented yet: {evalue}" if evalue else "not implemented yet"
+    if ename == "NameError":
+        return f"{evalue}{_RUN_IT}"
+    if ename == "AssertionError":
+        return evalue or "a test assertion failed"
+    return f"{ename}: {evalue}"
+
+
+def score(nb: Any, runs: list[CellRun]) -> tuple[list[TestResult], list[str]]:
+    tests, notes = [], []
+    earlier = ""
+    for cell, run in zip(nb.cells, runs, strict=True):
+        gid = cell.metadata.get("zeroedu_grade", {}).get("grade_id")
+        info = nbtools.cell_info(cell) if gid else None
+        if info is not None and info.role == "test":
+            passed = run.status in ("ok", "skipped")
+            message = "" if passed else _plain(run)
+            if earlier and "is not defined" in message:  # say which earlier cell left the name undefined
+                message = message.replace(_RUN_IT, "") + f" ({earlier})"
+            tests.append(TestResult(gid, _test_name(cell, gid), info.points if passed else 0.0, info.points,
+                                    passed, message, info.hidden))
+        elif cell.cell_type == "code" and run.status not in ("ok", "skipped", "not run"):
+            what = f"answer cell '{gid}'" if info is not None and info.role == "answer" else (
+                f"given cell '{gid}'" if gid else "cell you added")
+            text = f"the {what} failed: {_plain(run)}"
+            if earlier and "is not defined" in text:
+                text = text.replace(_RUN_IT, "") + f" ({earlier})"
+            notes.append(text)
+            earlier = earlier or text
+    return tests, notes
+
+
+def _refusals(private: Path) -> list[str]:
+    try:
+        lines = (private / "refused.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            r = json.loads(line)
+            out.append(f"refused to {r['op']} {r['path']}: outside the notebook's working directory")
+    return list(dict.fromkeys(out))
+
+
+def grade_notebook(path: Path, learner: str, solutions: dict[str, Any], limits: Limits,
+                   scratch: Path, executed: Path | None = None) -> ExerciseResult:
+    t0 = time.monotonic()
+    result = ExerciseResult(learner, path.stem, str(path))
+    try:
+        submission = nbtools.read(path)
+    except Exception as e:
+        result.status = "unreadable"
+        result.notes.append(f"cannot read {path} as a notebook: {type(e).__name__}: {e}")
+        return result
+    name = match_solution(path, submission, solutions)
+    if name is None:
+        result.status = "unknown exercise"
+        result.notes.append(f"{path.name} matches no notebook in the solutions folder (by name or by nbgrader "
+                            f"grade_ids); known: {', '.join(sorted(solutions))}")
+        return result
+    result.exercise = name
+    nb = assemble(submission, solutions[name])
+    workdir = Path(tempfile.mkdtemp(prefix="nb-", dir=scratch))
+    private = Path(tempfile.mkdtemp(prefix="grader-", dir=scratch))
+    shutil.copy2(path, workdir / path.name)
+    runner = _Runner(nb, workdir, private, limits)
+    runner.run()
+    result.tests, notes = score(nb, runner.runs)
+    result.notes = notes + runner.notes + _refusals(private)
+    if runner.truncated:
+        result.notes.append(f"printed more than {limits.max_output} bytes; the rest of the output was dropped")
+    result.points = sum(t.points for t in result.tests)
+    result.max_points = sum(t.max_points for t in result.tests)
+    result.seconds = round(time.monotonic() - t0, 1)
+    if executed is not None:
+        out = executed / learner / f"{name}.ipynb"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(nbtools.write_text(nb), encoding="utf-8")
+    return result
+
+
+# -- which notebooks, whose ------------------------------------------------------------------------------
+
+def _notebooks(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*.ipynb")
+                  if not any(part.startswith(".") for part in p.relative_to(folder).parts))
+
+
+def collect(paths: list[Path]) -> list[tuple[str, Path]]:
+    """(learner, notebook) pairs. A notebook: the learner is its folder's name. A folder: each subfolder is a
+    learner; notebooks directly inside belong to the folder's own name."""
+    found: list[tuple[str, Path]] = []
+    for path in paths:
+        if path.is_file():
+            found.append((path.resolve().parent.name, path))
+        elif path.is_dir():
+            found += [(path.resolve().name, p) for p in sorted(path.glob("*.ipynb"))]
+            for sub in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
+                found += [(sub.name, p) for p in _notebooks(sub)]
+        else:
+            raise FileNotFoundError(f"{path}: no such notebook or folder")
+    return found
+
+
+def load_solutions(folder: Path) -> dict[str, Any]:
+    solutions = {p.stem: nbtools.read(p) for p in sorted(folder.glob("*.ipynb"))}
+    if not solutions:
+        raise FileNotFoundError(f"no solution notebooks in {folder}: pass --solutions DIR")
+    return solutions
+
+
+def grade(paths: list[Path], solutions_dir: Path, limits: Limits, executed: Path | None = None,
+          progress: bool = True) -> list[ExerciseResult]:
+    solutions = load_solutions(solutions_dir)
+    pairs = collect(paths)
+    results: list[ExerciseResult] = []
+    with tempfile.TemporaryDirectory(prefix="zeroedu-grade-") as scratch:
+        for learner, path in pairs:
+            if progress:
+                print(f"grading {learner}: {path}", file=sys.stderr, flush=True)
+            results.append(grade_notebook(path, learner, solutions, limits, Path(scratch), executed))
+    learners = list(dict.fromkeys(learner for learner, _ in pairs))
+    if len(learners) > 1:  # a gradebook: every learner gets a row for every exercise someone handed in
+        seen = list(dict.fromkeys(r.exercise for r in results if r.status == "graded"))
+        maxima = {r.exercise: r.max_points for r in results if r.status == "graded"}
+        for learner in learners:
+            have = {r.exercise for r in results if r.learner == learner}
+            for ex in seen:
+                if ex not in have:
+                    results.append(ExerciseResult(learner, ex, "", "not submitted", 0.0, maxima[ex],
+                                                  notes=["no notebook for this exercise"]))
+        order = {name: i for i, name in enumerate(learners)}
+        results.sort(key=lambda r: (order[r.learner], r.exercise))
+    return results
+
+
+# -- reports ---------------------------------------------------------------------------------------------
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def table(results: list[ExerciseResult], width: int = 70) -> str:
+    rows = [("learner", "exercise", "points", "tests", "first failure")]
+    for r in results:
+        failure = r.first_failure.replace("\n", " ")
+        rows.append((r.learner, r.exercise, f"{_num(r.points)}/{_num(r.max_points)}",
+                     f"{r.passed}/{len(r.tests)}" if r.status == "graded" else r.status,
+                     (failure[:width - 1] + "…") if len(failure) > width else (failure or "-")))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)) + "  " + row[4]
+             for row in rows]
+    totals: dict[str, list[float]] = {}
+    for r in results:
+        t = totals.setdefault(r.learner, [0.0, 0.0])
+        t[0] += r.points
+        t[1] += r.max_points
+    if len(results) > 1:
+        lines.append("")
+        lines += [f"{learner}: {_num(p)}/{_num(m)}" for learner, (p, m) in totals.items()]
+    return "\n".join(lines)
+
+
+def gradebook(results: list[ExerciseResult]) -> dict:
+    learners: dict[str, dict] = {}
+    for r in results:
+        entry = learners.setdefault(r.learner, {"learner": r.learner, "points": 0.0, "max_points": 0.0,
+                                                "exercises": []})
+        entry["points"] += r.points
+        entry["max_points"] += r.max_points
+        d = asdict(r)
+        d["passed_tests"], d["first_failure"] = r.passed, r.first_failure
+        entry["exercises"].append(d)
+    return {"learners": list(learners.values())}
+
+
+CSV_FIELDS = ["learner", "exercise", "points", "max_points", "passed_tests", "tests", "status", "first_failure",
+              "notes"]
+
+
+def write_csv(results: list[ExerciseResult], path: Path) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in results:
+            w.writerow({"learner": r.learner, "exercise": r.exercise, "points": _num(r.points),
+                        "max_points": _num(r.max_points), "passed_tests": r.passed, "tests": len(r.tests),
+                        "status": r.status, "first_failure": r.first_failure, "notes": " | ".join(r.notes)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zeroedu grade", description="Grade exercise notebooks against "
+                                     "solutions/: hidden tests included, each notebook in a fresh kernel.")
+    parser.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+                        help="a notebook, or a folder (one subfolder per learner)")
+    parser.add_argument("--solutions", type=Path, default=None, help="solution notebooks (default: solutions/)")
+    parser.add_argument("--json", type=Path, help="write the gradebook as JSON here")
+    parser.add_argument("--csv", type=Path, help="write the gradebook as CSV here (one row per learner and exercise)")
+    parser.add_argument("--timeout", type=float, default=Limits.cell_timeout, help="seconds per cell (default 120)")
+    parser.add_argument("--notebook-timeout", type=float, default=Limits.notebook_timeout,
+                        help="seconds per notebook (default 900)")
+    parser.add_argument("--max-output", type=int, default=Limits.max_output,
+                        help="bytes of output kept per notebook (default 1000000)")
+    parser.add_argument("--executed", type=Path, default=None,
+                        help="also save each executed notebook here, hidden tests included (for instructors)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    args = parser.parse_args(argv)
+    if args.timeout <= 0 or args.notebook_timeout <= 0:
+        parser.error("--timeout and --notebook-timeout must be > 0 seconds")
+    limits = Limits(args.timeout, args.notebook_timeout, args.max_output)
+    try:
+        results = grade(args.paths, args.solutions or default_dir("solutions"), limits, args.executed,
+                        progress=not args.quiet)
+    except FileNotFoundError as e:
+        print(f"zeroedu grade: {e}", file=sys.stderr)
+        return 2
+    if not results:
+        print("zeroedu grade: no notebooks found in " + ", ".join(map(str, args.paths)), file=sys.stderr)
+        return 2
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps(gradebook(results), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    if args.csv:
+        write_csv(results, args.csv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Running a learner's function on real ranks for a test, and saying in plain words what went wrong.
+
+- `run_on_ranks(job, world_size, ...)` is zeroedu.launch with test-friendly failures: a rank that raised, ranks
+  that hung, a launch that could not start all become an AssertionError whose message a check prints as the hint.
+- `SendCounter` counts the bytes this rank sends point-to-point, however they are sent (dist.send, dist.isend,
+  P2POp with batch_isend_irecv, with or without a group): it wraps ProcessGroup.send, which every one of those
+  ends in, and still calls it. It also notes any collective called meanwhile, so a test can tell a ring built
+  from isend/irecv from one that called dist.all_reduce.
+- `not_implemented(fn, *args)` calls fn once in this process, where no process group exists: a stub raises
+  NotImplementedError at once, while real code fails on its first torch.distributed call. Tests use it to
+  report "not implemented yet" without starting ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._C._distributed_c10d import ProcessGroup
+
+from zeroedu.launch import CollectiveMismatchError, LaunchError, RankError, RankHangError, launch
+
+__all__ = ["SendCounter", "launch_timeout", "not_implemented", "run_on_ranks"]
+
+_COLLECTIVES = ("allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
+                "allgather_into_tensor_coalesced", "all_gather_single", "reduce_scatter", "_reduce_scatter_base",
+                "reduce_scatter_single", "reduce_scatter_tensor_coalesced", "broadcast", "reduce", "gather",
+                "scatter", "alltoall", "alltoall_base", "all_to_all_single")
+
+
+def launch_timeout(default: float = 60.0) -> float:
+    """Seconds a test's launch may take. The grader sets ZEROEDU_TEST_TIMEOUT below its own cell timeout, so a
+    deadlock ends as a clear RankHangError from launch() rather than as a killed cell."""
+    try:
+        return max(1.0, float(os.environ.get("ZEROEDU_TEST_TIMEOUT", default)))
+    except ValueError:
+        return default
+
+
+class SendCounter:
+    """`with SendCounter() as c: ...` then c.sent (bytes), c.sends (messages), c.collectives (names called)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.sends = 0
+        self.collectives: list[str] = []
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> SendCounter:
+        # pybind11 keeps methods in the class __dict__ as descriptors; getattr gives the plain function, which
+        # takes the group as its first argument. Restore the descriptors themselves on exit.
+        for name in ("send", *_COLLECTIVES):
+            if name in ProcessGroup.__dict__:
+                self._saved[name] = ProcessGroup.__dict__[name]
+                setattr(ProcessGroup, name, self._wrap(name, getattr(ProcessGroup, name)))
+        return self
+
+    def _wrap(self, name: str, original: Callable) -> Callable:
+        if name == "send":
+            def send(group: Any, tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+                self.sent += sum(t.numel() * t.element_size() for t in tensors)
+                self.sends += 1
+                return original(group, tensors, *args, **kwargs)
+            return send
+
+        def collective(group: Any, *args: Any, **kwargs: Any) -> Any:
+            self.collectives.append(name)
+            return original(group, *args, **kwargs)
+        return collective
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, descriptor in self._saved.items():
+            setattr(ProcessGroup, name, descriptor)
+        self._saved.clear()
+
+
+def not_implemented(fn: Callable, *args: Any, **kwargs: Any) -> str | None:
+    """The stub's message if fn(*args) raises NotImplementedError here (no process group), else None."""
+    try:
+        fn(*args, **kwargs)
+    except NotImplementedError as e:
+        return str(e) or "it raises NotImplementedError"
+    except Exception:  # real code: it got as far as needing a process group (or failed otherwise) -> run it
+        return None
+    return None
+
+
+# A traceback frame ('File "x", line 3, in f') or a faulthandler frame ('File "x", line 3 in f'), and the
+# source line under it when there is one.
+_FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)[^\n]*(?:\n[ \t]+(?!File ")(\S[^\n]*))?')
+
+
+def _learner_line(text: str, innermost_first: bool = False) -> str:
+    """' in fn, line 7 of its cell: code' for the innermost frame outside libraries and zeroedu."""
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # all of zeroedu
+    frames = [m for m in _FRAME.finditer(text)
+              if "site-packages" not in m.group(1) and not m.group(1).startswith(own)
+              and "/lib/python3" not in m.group(1)]
+    if not frames:
+        return ""
+    m = frames[0] if innermost_first else frames[-1]
+    code = f": {m.group(4).strip()}" if m.group(4) else ""
+    return f" in {m.group(3)}, line {m.group(2)} of its cell{code}"
+
+
+def run_on_ranks(job: Callable, world_size: int, args: tuple = (), what: str = "your code",
+                 timeout: float | None = None) -> list:
+    """launch(job, world_size, args) -> per-rank results; failures -> AssertionError in plain words."""
+    timeout = timeout or launch_timeout()
+    try:
+        return launch(job, world_size=world_size, args=args, timeout=timeout, hang_timeout=timeout)
+    except RankError as e:
+        first = str(e).splitlines()[0]
+        first = re.sub(r"^rank (\d+) of (\d+) raised ", r"on rank \1 of \2, " + what + " raised ", first)
+        raise AssertionError(first + _learner_line(e.traceback)) from None
+    except RankHangError as e:
+        where = ""
+        for rank, stack in sorted(e.stacks.items()):
+            line = _learner_line(stack, innermost_first=True)  # faulthandler prints the newest call first
+            if line:
+                where = f" Rank {rank} was waiting{line}."
+                break
+        raise AssertionError(
+            f"{what} hung: the ranks did not finish within {timeout:g} s.{where} In a ring every dist.isend needs "
+            "the matching dist.irecv on the neighbour, with the same size; wait() on both before reusing buffers; "
+            "and a blocking dist.recv before dist.send on every rank waits forever.") from None
+    except CollectiveMismatchError as e:
+        raise AssertionError(f"{what}: ranks called different collectives ({str(e).splitlines()[0]})") from None
+    except LaunchError as e:
+        raise AssertionError(f"could not run {what} on {world_size} ranks: {str(e).splitlines()[0]}") from None

@@ -1,0 +1,269 @@
+"""Test harness for exercise 2: a learner's ring collectives, run on real gloo ranks, against torch's own.
+
+    rs = run_reduce_scatter(ring_reduce_scatter, sizes=[8, 13, 1001])   # one launch, every size, both modes
+    rs.check_sum(); rs.check_average(); rs.check_bytes()                 # raise AssertionError with a hint
+
+Conventions the learner's functions follow (the exercise notebook states them):
+- chunk c of a flat tensor of S elements is `tensor.tensor_split(N)[c]` (sizes differ by at most one);
+- `ring_reduce_scatter(tensor, average=False)` returns this rank's chunk of the sum (or mean) over ranks;
+- `ring_all_gather(shard, numel)` returns the full tensor of `numel` elements, shard r being this rank's chunk;
+- `ring_all_reduce(tensor)` returns the sum over ranks, built from the two above.
+
+Every rank builds integer-valued inputs from a seed, so sums are exact in any order. The reference is
+torch.distributed's own all_reduce / all_gather on the same inputs, computed in the same ranks before the
+learner's code runs. Bytes sent are counted with SendCounter around the learner's call only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroedu.grading.ranks import SendCounter, not_implemented, run_on_ranks
+
+__all__ = ["RingRun", "chunk_sizes", "run_all_gather", "run_all_reduce", "run_reduce_scatter"]
+
+
+def chunk_sizes(numel: int, n: int) -> list[int]:
+    """Element counts of tensor.tensor_split(n): the first numel % n chunks have one element more."""
+    q, r = divmod(numel, n)
+    return [q + 1] * r + [q] * (n - r)
+
+
+def _values(seed: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 9, (numel,), generator=g).to(dtype)
+
+
+def _returned(x: Any) -> Any:
+    """What the learner returned, in a form that travels back to the parent."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    return f"<{type(x).__name__}>"
+
+
+def _job(rank: int, n: int, op: str, fn: Callable, cases: list[tuple[int, str]]) -> list[dict]:
+    rows = []
+    for numel, dtype_name in cases:
+        dtype = getattr(torch, dtype_name)
+        seed = 1000 * numel + 17
+        if op == "all_gather":
+            shard = _values(seed, numel, dtype).tensor_split(n)[rank].clone()
+            # torch's all_gather wants equal sizes: pad every shard to the largest, gather, cut the padding.
+            biggest = chunk_sizes(numel, n)[0]
+            padded = [torch.zeros(biggest, dtype=dtype) for _ in range(n)]
+            mine = torch.zeros(biggest, dtype=dtype)
+            mine[:shard.numel()] = shard
+            dist.all_gather(padded, mine)
+            want = torch.cat([p[:k] for p, k in zip(padded, chunk_sizes(numel, n), strict=True)])
+            with SendCounter() as c:
+                got = fn(shard.clone(), numel)
+            rows.append(dict(numel=numel, dtype=dtype_name, average=False, got=_returned(got), want=want,
+                             own=shard, total=want, sent=c.sent, collectives=c.collectives))
+            continue
+        x = _values(seed + rank, numel, dtype)
+        total = x.clone()
+        dist.all_reduce(total)  # torch's own sum over ranks: the reference
+        for average in ((False, True) if op == "reduce_scatter" else (False,)):
+            with SendCounter() as c:
+                got = fn(x.clone(), average=average) if op == "reduce_scatter" else fn(x.clone())
+            want = total.tensor_split(n)[rank] if op == "reduce_scatter" else total
+            if average:
+                want = want / n
+            rows.append(dict(numel=numel, dtype=dtype_name, average=average, got=_returned(got), want=want,
+                             own=x.tensor_split(n)[rank].clone(), total=total, sent=c.sent,
+                             collectives=c.collectives))
+    return rows
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6)
+
+
+@dataclass
+class RingRun:
+    """The outcome of one launch: per rank, per case, what the learner's function returned and sent."""
+
+    op: str
+    name: str
+    world_size: int
+    rows: list[list[dict]] = field(default_factory=list)   # [rank][case]
+    error: str | None = None
+
+    # -- checks ------------------------------------------------------------------------------------------------
+    def _ran(self) -> None:
+        if self.error:
+            raise AssertionError(self.error)
+
+    def _cases(self, average: bool | None = None):
+        for rank, rows in enumerate(self.rows):
+            for row in rows:
+                if average is None or row["average"] == average:
+                    yield rank, row
+
+    def check_sum(self) -> None:
+        """Values and shapes equal torch's result on every rank and size (average=False)."""
+        self._ran()
+        for rank, row in self._cases(average=False):
+            self._check_row(rank, row)
+
+    def check_average(self) -> None:
+        """reduce-scatter(average=True): the sum divided by N."""
+        self._ran()
+        for rank, row in self._cases(average=True):
+            self._check_row(rank, row)
+
+    def check_values(self) -> None:
+        self._ran()
+        for rank, row in self._cases():
+            self._check_row(rank, row)
+
+    def _check_row(self, rank: int, row: dict) -> None:
+        n, got, want, numel = self.world_size, row["got"], row["want"], row["numel"]
+        where = f"on rank {rank} of {n}, {self.name}({numel} element{'s' * (numel != 1)} of {row['dtype']}"
+        where += ", average=True)" if row["average"] else ")"
+        if not isinstance(got, torch.Tensor):
+            raise AssertionError(f"{where} returned {got}, not a tensor: return the result as a torch.Tensor.")
+        if got.dtype != want.dtype:
+            raise AssertionError(f"{where} returned {got.dtype}, the input is {want.dtype}: allocate buffers "
+                                 "with the input's dtype (torch.empty_like, tensor.new_empty).")
+        if got.numel() != want.numel():
+            shifted = self._shifted(rank, row, got)
+            if shifted:
+                raise AssertionError(f"{where} {shifted}")
+            if self.op == "reduce_scatter" and got.numel() == numel:
+                raise AssertionError(f"{where} returned all {numel} elements; a reduce-scatter returns only this "
+                                     f"rank's chunk: chunk {rank} of tensor.tensor_split({n}), {want.numel()} "
+                                     "elements.")
+            raise AssertionError(f"{where} returned {got.numel()} elements, expected {want.numel()}"
+                                 f" (chunk sizes for {numel} elements on {n} ranks: {chunk_sizes(numel, n)}).")
+        got = got.reshape(want.shape)
+        if _close(got, want):
+            return
+        raise AssertionError(where + " " + self._diagnose(rank, row, got))
+
+    def _diagnose(self, rank: int, row: dict, got: torch.Tensor) -> str:
+        n, want = self.world_size, row["want"]
+        if row["average"] and _close(got, want * n):
+            return "returned the sum, not the mean: with average=True divide by the number of ranks N."
+        if not row["average"] and self.op == "reduce_scatter" and _close(got * n, want):
+            return "divided by N although average=False: return the plain sum."
+        if self.op == "reduce_scatter":
+            shifted = self._shifted(rank, row, got)
+            if shifted:
+                return shifted
+            scale = n if row["average"] else 1
+            if _close(got, row["own"]) or _close(got, row["own"] / scale):
+                return "returned this rank's own chunk, not the sum: nothing from the other ranks was added."
+            return ("returned values that are not the sum over all ranks: at each step add the partial sum you "
+                    "received to this rank's own part of that chunk, and send the result on.")
+        if self.op == "all_reduce":
+            if _close(got, row["own"]):
+                return "returned this rank's input unchanged: nothing was summed."
+            return "did not return the sum over all ranks (compare: ring_reduce_scatter, then ring_all_gather)."
+        # all_gather: which chunks are wrong?
+        bad = [c for c, (g, w) in enumerate(zip(got.tensor_split(n), want.tensor_split(n), strict=True))
+               if not _close(g, w)]
+        return (f"chunk(s) {bad} of the gathered tensor are wrong (chunk c must be rank c's shard). Check which "
+                "chunk you forward at each step: at step 0 your own, then the one that just arrived.")
+
+    def _shifted(self, rank: int, row: dict, got: torch.Tensor) -> str:
+        """For a reduce-scatter that returned another rank's chunk of the sum: say so, and by how many steps."""
+        if self.op != "reduce_scatter":
+            return ""
+        n = self.world_size
+        scale = n if row["average"] else 1
+        for c, chunk in enumerate(row["total"].tensor_split(n)):
+            if c != rank and _close(got.reshape(-1), chunk / scale):
+                return (f"returned chunk {c} of the sum, but rank {rank} must end with chunk {rank}: the ring "
+                        f"schedule is off by {(c - rank) % n} step(s). Count which chunk each rank sends at step 0 "
+                        "and follow one chunk around the ring.")
+        return ""
+
+    def check_bytes(self) -> None:
+        """Each rank sends what a ring sends: (N-1)/N·S for reduce-scatter and all-gather, twice that for
+        all-reduce; exactly when N divides S, and the same total over ranks for any S."""
+        self._ran()
+        n = self.world_size
+        factor = 2 if self.op == "all_reduce" else 1
+        by_case: dict[tuple, list[int]] = {}
+        for rank, row in self._cases(average=False):
+            if row["collectives"]:
+                names = ", ".join(sorted(set(row["collectives"])))
+                raise AssertionError(f"{self.name} called a torch.distributed collective ({names}) on rank {rank}: "
+                                     "build it from point-to-point dist.isend/dist.irecv only.")
+            elem = row["want"].element_size()
+            numel = row["numel"]
+            total_bytes = numel * elem
+            theory = factor * (n - 1) * total_bytes / n
+            sent = row["sent"]
+            by_case.setdefault((numel, row["dtype"]), []).append(sent)
+            if sent == 0 and n > 1 and numel >= n:
+                raise AssertionError(f"{self.name} sent no bytes point-to-point on rank {rank}: use dist.isend and "
+                                     "dist.irecv (or dist.P2POp with dist.batch_isend_irecv).")
+            slack = factor * max(chunk_sizes(numel, n)) * elem if numel % n else 0
+            if abs(sent - theory) > slack:
+                per = "S/N, one chunk," if sent > theory else "one chunk (S/N)"
+                raise AssertionError(
+                    f"rank {rank} sent {sent} bytes for a {total_bytes}-byte tensor on {n} ranks; a ring sends "
+                    f"{factor}·(N-1)/N·S = {theory:g} bytes: {factor * (n - 1)} step(s) of {per} each. "
+                    + ("Sending the whole tensor at each step costs N times more." if sent > theory else
+                       "Some chunk did not travel around the whole ring."))
+        for (numel, dtype), sent in by_case.items():
+            total = factor * (n - 1) * numel * getattr(torch, dtype).itemsize
+            if sum(sent) != total:
+                raise AssertionError(f"the {n} ranks sent {sum(sent)} bytes in all for {numel} elements of {dtype}; "
+                                     f"a ring sends {factor}·(N-1)·S = {total}: each chunk travels N-1 hops.")
+
+    # -- display ----------------------------------------------------------------------------------------------
+    def table(self) -> str:
+        """Bytes each rank sent, next to the ring's (N-1)/N·S, one line per size."""
+        if self.error:
+            return f"{self.name} did not run: {self.error}"
+        n = self.world_size
+        factor = 2 if self.op == "all_reduce" else 1
+        lines = [f"{self.name} on {n} ranks: bytes sent per rank vs {'2·' if factor == 2 else ''}(N-1)/N·S"]
+        for i, row in enumerate(self.rows[0]):
+            if row["average"]:
+                continue
+            sent = [self.rows[r][i]["sent"] for r in range(n)]
+            s = row["numel"] * row["want"].element_size()
+            k = "2·" if factor == 2 else ""
+            lines.append(f"  S = {s:>6} B ({row['numel']} x {row['dtype']}): sent {sent}, theory "
+                         f"{factor * (n - 1) * s / n:g}; all ranks {sum(sent)} = {k}(N-1)·S = {factor * (n - 1) * s}")
+        return "\n".join(lines)
+
+
+def _run(op: str, fn: Callable, probe_args: tuple, sizes: list[int], world_size: int, dtype: torch.dtype) -> RingRun:
+    name = getattr(fn, "__name__", op)
+    run = RingRun(op, name, world_size)
+    stub = not_implemented(fn, *probe_args)
+    if stub is not None:
+        run.error = f"not implemented yet: {stub}"
+        return run
+    cases = [(int(s), str(dtype).removeprefix("torch.")) for s in sizes]
+    try:
+        run.rows = run_on_ranks(_job, world_size, args=(op, fn, cases), what=name)
+    except AssertionError as e:
+        run.error = str(e)
+    return run
+
+
+def run_reduce_scatter(fn: Callable, sizes: list[int], world_size: int = 4,
+                       dtype: torch.dtype = torch.float32) -> RingRun:
+    """Run fn(tensor, average=...) on world_size ranks for each size, with average False and True."""
+    return _run("reduce_scatter", fn, (torch.zeros(8),), sizes, world_size, dtype)
+
+
+def run_all_gather(fn: Callable, sizes: list[int], world_size: int = 4, dtype: torch.dtype = torch.float32) -> RingRun:
+    """Run fn(shard, numel) on world_size ranks for each size."""
+    return _run("all_gather", fn, (torch.zeros(2), 8), sizes, world_size, dtype)
+
+
+def run_all_reduce(fn: Callable, sizes: list[int], world_size: int = 4, dtype: torch.dtype = torch.float32) -> RingRun:
+    """Run fn(tensor) on world_size ranks for each size."""
+    return _run("all_reduce", fn, (torch.zeros(8),), sizes, world_size, dtype)

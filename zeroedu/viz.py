@@ -1,0 +1,384 @@
+"""The course's plots, in one style: memory per rank, bytes per collective, per-rank timelines, scaling.
+
+Every function takes plain numbers (dicts of bytes, lists of spans) that a notebook got back from its ranks,
+draws them, and returns the matplotlib Figure. Colours mean the same thing in every notebook: one colour per
+memory category (zeroedu.memory.CATEGORIES) and one per collective. Theory is always drawn as a black
+marker on top of the measured bar, so "measured = theory" is something you can see, not only read.
+
+`table(...)` prints the same numbers as plain text: nbval compares text, not pixels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from zeroedu.memory import CATEGORIES
+
+__all__ = ["CATEGORY_COLORS", "OP_COLORS", "PHASE_COLORS", "alpha_beta_plot", "fmt_bytes", "ledger_bars",
+           "memory_bars", "ring_grid", "scaling_plot", "table", "timeline", "timeline_data"]
+
+# One colour per memory category, in stacking order: model states first (the paper's three, plus fp32 master
+# weights, which the paper counts inside K), then the "residual" memory that no model-state formula shows.
+CATEGORY_COLORS: dict[str, str] = {
+    "parameters": "#4C72B0",
+    "gradients": "#DD8452",
+    "master_weights": "#55A868",
+    "optimizer_state": "#C44E52",
+    "buckets": "#8172B3",
+    "gathered_parameters": "#64B5CD",
+    "activations": "#DA8BC3",
+    "temporaries": "#8C8C8C",
+    "other": "#CCB974",
+}
+OP_COLORS: dict[str, str] = {
+    "all_reduce": "#C44E52",
+    "reduce_scatter": "#DD8452",
+    "all_gather": "#4C72B0",
+    "broadcast": "#8C8C8C",
+    "all_to_all": "#8172B3",
+    "send": "#55A868",
+    "recv": "#55A868",
+}
+PHASE_COLORS: dict[str, str] = {"forward": "#A1C9F4", "backward": "#FFB482", "step": "#8DE5A1", "init": "#D0BBFF",
+                                "other": "#CFCFCF"}
+THEORY_COLOR = "black"
+
+FIGSIZE = (7.5, 3.6)
+DPI = 90
+TITLE_SIZE, LABEL_SIZE, TICK_SIZE, LEGEND_SIZE = 10.5, 9.5, 8.5, 8
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+
+
+def _unit_for(max_bytes: float, unit: str | None) -> tuple[str, float]:
+    if unit is not None:
+        if unit not in _UNITS:
+            raise ValueError(f"unit must be one of {', '.join(_UNITS)}, got {unit!r}")
+        return unit, _UNITS[unit]
+    for name in ("GiB", "MiB", "KiB"):
+        if max_bytes >= _UNITS[name]:
+            return name, _UNITS[name]
+    return "B", 1
+
+
+def fmt_bytes(n: float, unit: str | None = None, digits: int = 1) -> str:
+    """1536 -> '1.5 KiB'. Binary units unless `unit` says otherwise ('GB' is 1e9, as model sizes are quoted)."""
+    name, scale = _unit_for(abs(n), unit)
+    if name == "B":
+        return f"{int(n):,} B"
+    return f"{n / scale:,.{digits}f} {name}"
+
+
+def table(rows: Iterable[Sequence], headers: Sequence[str], align: str | None = None) -> str:
+    """A plain-text table (for print): columns padded to width, numbers right-aligned.
+
+    `align` is one letter per column, 'l' or 'r'; by default text columns align left and numbers right.
+    """
+    rows = [["" if v is None else v for v in r] for r in rows]
+    for r in rows:
+        if len(r) != len(headers):
+            raise ValueError(f"table: a row has {len(r)} cells but there are {len(headers)} headers: {r}")
+    cells = [[str(v) for v in r] for r in rows]
+    if align is None:
+        align = "".join("r" if rows and all(isinstance(r[i], int | float) for r in rows) else "l"
+                        for i in range(len(headers)))
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if a == "r" else v.ljust(w) for v, w, a in zip(values, widths, align,
+                                                                                    strict=True)).rstrip()
+
+    out = [line(list(headers)), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells]
+    return "\n".join(out)
+
+
+# The style is applied to each figure explicitly rather than through rcParams: a plt.rc_context around the first
+# pyplot figure of a Jupyter kernel restores `interactive` on exit and stops the inline backend from showing
+# every later figure.
+def _new_axes(ax, figsize=None):
+    if ax is not None:
+        return ax.figure, ax
+    fig, ax = plt.subplots(figsize=figsize or FIGSIZE, dpi=DPI)
+    return fig, ax
+
+
+def _apply_axes_style(ax, grid_axis: str = "y") -> None:
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.grid(True, axis=grid_axis, alpha=0.3)
+    ax.set_axisbelow(True)
+    ax.title.set_fontsize(TITLE_SIZE)
+    ax.xaxis.label.set_fontsize(LABEL_SIZE)
+    ax.yaxis.label.set_fontsize(LABEL_SIZE)
+    ax.tick_params(labelsize=TICK_SIZE)
+
+
+def _legend(ax, **kw) -> None:
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=LEGEND_SIZE, frameon=False, **kw)
+
+
+def _theory_marker(ax, x: float, y: float, width: float, label: str | None) -> Line2D:
+    (line,) = ax.plot([x - width / 2, x + width / 2], [y, y], color=THEORY_COLOR, lw=2.2, ls="-", solid_capstyle="butt",
+                      label=label, zorder=5)
+    line.set_gid("theory")
+    return line
+
+
+def memory_bars(per_bar: Mapping[str, Mapping[str, float]], theory: Mapping[str, float] | None = None,
+                title: str = "Memory per rank, by category", unit: str | None = None, ax=None,
+                categories: Sequence[str] | None = None, theory_label: str = "theory") -> Figure:
+    """Stacked bars: one bar per key of `per_bar` (e.g. "stage 0"), one segment per memory category.
+
+    per_bar: {bar label: {category: bytes}}, e.g. engine.memory()["resident"] from rank 0 of each stage.
+    theory:  {bar label: bytes}, drawn as a black marker at that height on the bar (e.g. the model-state
+             bytes from zeroedu.theory). Bars without a theory value get no marker.
+    Categories stack in CATEGORIES order; categories that are zero in every bar are left out.
+    """
+    if not per_bar:
+        raise ValueError("memory_bars: nothing to draw (per_bar is empty)")
+    labels = list(per_bar)
+    known = list(categories or CATEGORIES)
+    extra = sorted({c for d in per_bar.values() for c in d} - set(known))
+    cats = [c for c in known + extra if any(per_bar[b].get(c, 0) for b in labels)]
+    totals = [sum(per_bar[b].get(c, 0) for c in cats) for b in labels]
+    top = max(totals + [v for v in (theory or {}).values()] + [1])
+    name, scale = _unit_for(top, unit)
+    fig, ax = _new_axes(ax)
+    x = np.arange(len(labels))
+    width = 0.6
+    bottom = np.zeros(len(labels))
+    for c in cats:
+        vals = np.array([per_bar[b].get(c, 0) for b in labels], dtype=float) / scale
+        ax.bar(x, vals, width, bottom=bottom, label=c.replace("_", " "), color=CATEGORY_COLORS.get(c, "#999999"),
+               edgecolor="white", linewidth=0.5)
+        bottom += vals
+    first = True
+    for i, b in enumerate(labels):
+        if theory and b in theory and theory[b] is not None:
+            _theory_marker(ax, x[i], theory[b] / scale, width * 1.15, theory_label if first else None)
+            first = False
+    ax.set_xticks(x, labels)
+    ax.set_ylabel(f"bytes per rank ({name})")
+    ax.set_title(title)
+    _legend(ax)
+    _apply_axes_style(ax)
+    fig.tight_layout()
+    return fig
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    phase, _, op = key.partition("/")
+    return (phase, op) if op else ("", phase)
+
+
+def ledger_bars(per_bar: Mapping[str, Mapping[str, float]], theory: Mapping[str, float] | None = None,
+                title: str = "Bytes sent per rank in one optimizer step", unit: str | None = None,
+                ax=None) -> Figure:
+    """Stacked bars of the bytes a rank sent, one segment per "phase/op" (Ledger.per_step's keys).
+
+    per_bar: {bar label: {"backward/reduce_scatter": bytes, "step/all_gather": bytes, ..., "total": bytes}}
+             ("total" is ignored: the stack is the total).
+    theory:  {bar label: bytes}, a black marker on each bar (e.g. zeroedu.theory.comm_bytes_per_step).
+    """
+    if not per_bar:
+        raise ValueError("ledger_bars: nothing to draw (per_bar is empty)")
+    labels = list(per_bar)
+    phase_order = ["init", "forward", "backward", "step", "other", ""]
+    keys = sorted({k for d in per_bar.values() for k in d if k != "total"},
+                  key=lambda k: (phase_order.index(_split_key(k)[0]) if _split_key(k)[0] in phase_order
+                                 else len(phase_order), k))
+    keys = [k for k in keys if any(per_bar[b].get(k, 0) for b in labels)]
+    totals = [sum(per_bar[b].get(k, 0) for k in keys) for b in labels]
+    top = max(totals + list((theory or {}).values()) + [1])
+    name, scale = _unit_for(top, unit)
+    fig, ax = _new_axes(ax)
+    x = np.arange(len(labels))
+    width = 0.6
+    bottom = np.zeros(len(labels))
+    hatches = {"forward": "", "backward": "//", "step": "..", "init": "xx", "other": ""}
+    for k in keys:
+        phase, op = _split_key(k)
+        vals = np.array([per_bar[b].get(k, 0) for b in labels], dtype=float) / scale
+        ax.bar(x, vals, width, bottom=bottom, label=k.replace("_", "-"), color=OP_COLORS.get(op, "#999999"),
+               hatch=hatches.get(phase, ""), edgecolor="white", linewidth=0.5)
+        bottom += vals
+    first = True
+    for i, b in enumerate(labels):
+        if theory and b in theory and theory[b] is not None:
+            _theory_marker(ax, x[i], theory[b] / scale, width * 1.15, "theory" if first else None)
+            first = False
+    ax.set_xticks(x, labels)
+    ax.set_ylabel(f"bytes sent per rank ({name})")
+    ax.set_title(title)
+    _legend(ax)
+    _apply_axes_style(ax)
+    fig.tight_layout()
+    return fig
+
+
+def timeline_data(engine, since: float | None = None, step: int | None = None) -> dict:
+    """What a rank returns for `timeline`: its compute phases and its collectives (picklable numbers).
+
+    compute: [(phase, start, end)] from engine.timeline; comm: [(op, kind, phase, start, seconds, sent_bytes)]
+    from the ledger. `since` (a time.time()) keeps only what started after it; `step` keeps only the
+    collectives of that optimizer step (compute spans are kept by time, so combine it with `since`).
+    """
+    compute = [(p, s, e) for p, s, e in engine.timeline if since is None or s >= since]
+    comm = [(e.op, e.kind, e.phase, e.start, e.seconds, e.sent_bytes) for e in engine.ledger
+            if e.op not in ("skipped_step",) and (since is None or e.start >= since)
+            and (step is None or e.step == step)]
+    return {"rank": engine.rank, "compute": compute, "comm": comm}
+
+
+def timeline(ranks: Sequence[Mapping], title: str = "What each rank does, over time", ax=None,
+             ms: bool = True) -> Figure:
+    """Per-rank timeline: for each rank a compute lane (forward / backward / step) above a comm lane (one
+    box per collective, coloured by op). `ranks` is the list of timeline_data(...) dicts, one per rank.
+
+    Times are relative to the earliest start over all ranks (every rank runs on this machine, so their
+    time.time() clocks agree).
+    """
+    if not ranks:
+        raise ValueError("timeline: no ranks to draw")
+    starts = [s for r in ranks for _, s, _ in r["compute"]] + [c[3] for r in ranks for c in r["comm"]]
+    if not starts:
+        raise ValueError("timeline: the ranks recorded no compute phase and no collective")
+    t0 = min(starts)
+    k = 1e3 if ms else 1.0
+    fig, ax = _new_axes(ax, figsize=(8.5, 0.9 + 0.75 * len(ranks)))
+    seen_phase, seen_op = [], []
+    for i, r in enumerate(ranks):
+        y = len(ranks) - 1 - i
+        for phase, s, e in r["compute"]:
+            ax.broken_barh([((s - t0) * k, (e - s) * k)], (y + 0.05, 0.38), facecolors=PHASE_COLORS.get(phase, "#ccc"),
+                           edgecolor="white", linewidth=0.4, gid=f"compute:{phase}")
+            if phase not in seen_phase:
+                seen_phase.append(phase)
+        for op, _kind, _phase, s, sec, _sent in r["comm"]:
+            ax.broken_barh([((s - t0) * k, max(sec, 1e-6) * k)], (y - 0.43, 0.38), facecolors=OP_COLORS.get(op, "#999"),
+                           edgecolor="black", linewidth=0.3, gid=f"comm:{op}")
+            if op not in seen_op:
+                seen_op.append(op)
+    ax.set_yticks([len(ranks) - 1 - i for i in range(len(ranks))],
+                  [f"rank {r.get('rank', i)}" for i, r in enumerate(ranks)])
+    ax.set_ylim(-0.6, len(ranks) - 0.4)
+    ax.set_xlabel("time (ms)" if ms else "time (s)")
+    ax.set_title(title)
+    handles = [Patch(facecolor=PHASE_COLORS.get(p, "#ccc"), label=f"compute: {p}") for p in seen_phase]
+    handles += [Patch(facecolor=OP_COLORS.get(o, "#999"), edgecolor="black", label=o.replace("_", "-"))
+                for o in seen_op]
+    _legend(ax, handles=handles)
+    _apply_axes_style(ax, grid_axis="x")
+    fig.tight_layout()
+    return fig
+
+
+def scaling_plot(measured: Mapping[str, Mapping[int, float]], theory: Mapping[str, Mapping[int, float]] | None = None,
+                 title: str = "Model-state bytes per rank vs number of ranks", unit: str | None = None,
+                 ax=None, logy: bool = False) -> Figure:
+    """Measured points (one series per stage, {N: bytes}) over theory curves drawn as lines, ZeRO Figure-1 style."""
+    if not measured:
+        raise ValueError("scaling_plot: nothing to draw")
+    top = max([v for d in measured.values() for v in d.values()]
+              + [v for d in (theory or {}).values() for v in d.values()] + [1])
+    name, scale = _unit_for(top, unit)
+    fig, ax = _new_axes(ax)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, pts) in enumerate(measured.items()):
+        c = colors[i % len(colors)]
+        if theory and label in theory:
+            ns = sorted(theory[label])
+            (line,) = ax.plot(ns, [theory[label][n] / scale for n in ns], color=c, lw=1.5, alpha=0.7,
+                              label=f"{label}: theory")
+            line.set_gid("theory")
+        ns = sorted(pts)
+        (line,) = ax.plot(ns, [pts[n] / scale for n in ns], "o", color=c, ms=7, mfc="none", mew=2,
+                          label=f"{label}: measured")
+        line.set_gid("measured")
+    ns = sorted({n for d in measured.values() for n in d})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.minorticks_off()
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel("data-parallel ranks N")
+    ax.set_ylabel(f"bytes per rank ({name})")
+    ax.set_title(title)
+    _legend(ax)
+    _apply_axes_style(ax)
+    fig.tight_layout()
+    return fig
+
+
+def alpha_beta_plot(sizes: Sequence[float], seconds: Mapping[str, Sequence[float]], world_size: int,
+                    fit: tuple[float, float] | None = None, title: str = "Collective time vs message size",
+                    ax=None) -> Figure:
+    """Measured time per collective ({op: [seconds per size]}) and the alpha-beta model's lines.
+
+    fit: (alpha seconds per ring step, beta bytes per second), as zeroedu.theory.fit_alpha_beta returns; the
+    line of each op is zeroedu.theory.collective_time(op, S, world_size, alpha, beta).
+    """
+    from zeroedu.theory import collective_time
+
+    fig, ax = _new_axes(ax)
+    xs = np.asarray(sizes, dtype=float)
+    for op, ts in seconds.items():
+        c = OP_COLORS.get(op, None)
+        (line,) = ax.plot(xs, np.asarray(ts) * 1e3, "o", color=c, label=f"{op.replace('_', '-')}: measured")
+        line.set_gid("measured")
+        if fit is not None:
+            grid = np.geomspace(xs.min(), xs.max(), 50)
+            model = [collective_time(op, int(g), world_size, *fit) * 1e3 for g in grid]
+            (line,) = ax.plot(grid, model, "-", color=c, alpha=0.7, label=f"{op.replace('_', '-')}: alpha-beta")
+            line.set_gid("theory")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("message size S (bytes)")
+    ax.set_ylabel("time (ms)")
+    if fit is not None:
+        title += f"\nalpha = {fit[0] * 1e6:.0f} us per ring step, beta = {fit[1] / 1e9:.2f} GB/s (N = {world_size})"
+    ax.set_title(title)
+    _legend(ax)
+    _apply_axes_style(ax)
+    fig.tight_layout()
+    return fig
+
+
+def ring_grid(states: Sequence[np.ndarray], titles: Sequence[str] | None = None,
+              suptitle: str = "Ring reduce-scatter, step by step") -> Figure:
+    """One panel per ring step: rows are ranks, columns are chunks, each cell shows which ranks' data
+    that chunk already sums (a bitmask: bit r set = rank r's contribution is in it).
+
+    states: list of (N, N) integer arrays, states[s][rank, chunk] = bitmask after step s. A full chunk
+    (all N bits) is drawn dark; a cell this rank no longer needs is drawn faint if its value is 0.
+    """
+    if not states:
+        raise ValueError("ring_grid: no states to draw")
+    n = states[0].shape[0]
+    full = (1 << n) - 1
+    fig, axes = plt.subplots(1, len(states), figsize=(2.3 * len(states), 2.6), dpi=DPI, squeeze=False)
+    cmap = plt.get_cmap("Blues")
+    for s, (ax, st) in enumerate(zip(axes[0], states, strict=True)):
+        st = np.asarray(st)
+        counts = np.vectorize(lambda v: bin(int(v)).count("1"))(st)
+        ax.imshow(counts, cmap=cmap, vmin=0, vmax=n + 1)
+        for r in range(n):
+            for c in range(n):
+                v = int(st[r, c])
+                text = "all" if v == full else "+".join(str(i) for i in range(n) if v >> i & 1) or "-"
+                ax.text(c, r, text, ha="center", va="center", fontsize=7 if n <= 4 else 5,
+                        color="white" if counts[r, c] > n / 2 else "black")
+        ax.set_xticks(range(n), [f"c{c}" for c in range(n)], fontsize=7)
+        ax.set_yticks(range(n), [f"r{r}" for r in range(n)], fontsize=7)
+        ax.set_title(titles[s] if titles else f"after step {s}", fontsize=9)
+        ax.grid(False)
+    fig.suptitle(suptitle, fontsize=10)
+    fig.tight_layout()
+    return fig
