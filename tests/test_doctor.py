@@ -57,12 +57,78 @@ def test_torch_against_pyproject_pin():
     real = doctor.check_torch()
     assert real.status == OK and real.data["pin"] == pin
     assert ("CPU build" in real.detail) == (real.data["cuda"] is None)
-    assert doctor.check_torch("2.13.0+cpu", None, "2.13.0").status == OK
-    assert "CUDA 12.6 build" in doctor.check_torch("2.13.0+cu126", "12.6", "2.13.0").detail
-    assert_problem(doctor.check_torch("2.12.1", None, "2.13.0"), FAIL, "torch==2.13.0", "whl/cpu")
-    newer = doctor.check_torch("2.14.0+cu126", "12.6", "2.13.0")
+    assert doctor.check_torch("2.13.0+cpu", None, "2.13.0", nvidia_gpus=0).status == OK
+    assert "CUDA 12.6 build" in doctor.check_torch("2.13.0+cu126", "12.6", "2.13.0", nvidia_gpus=1).detail
+    old = doctor.check_torch("2.12.1", None, "2.13.0", nvidia_gpus=0)
+    assert_problem(old, FAIL, "torch==2.13.0")
+    assert old.fix == doctor.torch_install_fix("2.13.0", 0) + " (into the course's environment)"
+    newer = doctor.check_torch("2.14.0+cu126", "12.6", "2.13.0", nvidia_gpus=2)
     assert_problem(newer, WARN, "torch==2.13.0")
     assert "whl/cpu" not in newer.fix  # a CUDA user is not told to install the CPU wheel
+    # a CPU build on a machine with an NVIDIA GPU runs the course, but leaves the GPU path unused
+    assert_problem(doctor.check_torch("2.13.0+cpu", None, "2.13.0", nvidia_gpus=1), WARN, "1 NVIDIA GPU", "CUDA build")
+    # a CUDA build without a GPU is fine, with a note
+    assert "CPU build would do" in doctor.check_torch("2.13.0", "12.6", "2.13.0", nvidia_gpus=0).detail
+
+
+def test_torch_install_fix_by_platform():
+    """Linux without an NVIDIA GPU gets the CPU index (PyPI's Linux wheel bundles CUDA); macOS wheels on PyPI are
+    CPU builds; with an NVIDIA GPU the plain PyPI wheel is the right one."""
+    assert "--index-url https://download.pytorch.org/whl/cpu" in doctor.torch_install_fix("2.13.0", 0, "linux")
+    for fix in (doctor.torch_install_fix("2.13.0", 0, "darwin"), doctor.torch_install_fix("2.13.0", 4, "linux")):
+        assert fix.startswith("pip install torch==2.13.0 (") and "whl/cpu" not in fix, fix
+
+
+def fake_nvidia_smi(folder: Path, output: str, code: int = 0) -> dict[str, str]:
+    """An `nvidia-smi` program on PATH that prints what the real one prints for --query-gpu: the doctor asks the
+    driver this way without torch. Returns the environment with it first on PATH."""
+    exe = folder / "nvidia-smi"
+    exe.write_text(f"#!/bin/sh\nprintf '%s' '{output}'\nexit {code}\n")
+    exe.chmod(0o755)
+    return {**os.environ, "PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
+
+
+def test_nvidia_smi_is_read_without_torch(tmp_path, monkeypatch):
+    env = fake_nvidia_smi(tmp_path, "NVIDIA H200, 143771\nNVIDIA H200, 143771\n")
+    monkeypatch.setenv("PATH", env["PATH"])
+    assert doctor._nvidia_smi() == [("NVIDIA H200", 143771 * 2**20)] * 2
+    # torch here sees no GPU (the CPU build): the gpus row says the two disagree, and the torch row wants CUDA
+    row = doctor.check_gpus()
+    assert_problem(row, WARN, "nvidia-smi sees 2 GPU(s) but torch sees none", "CUDA build")
+    assert len(row.data["driver_gpus"]) == 2
+    torch_row = doctor.check_torch()
+    assert torch_row.data["nvidia_gpus"] == 2 and torch_row.status == WARN and "whl/cpu" not in torch_row.fix
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path, "NVIDIA-SMI has failed", code=9)["PATH"])
+    assert doctor._nvidia_smi() is None  # no working driver: as if absent
+
+
+@pytest.mark.timeout(60)
+def test_doctor_runs_without_torch(tmp_path):
+    """A fresh venv with nothing in it (no torch, no JupyterLab): `python -m zeroedu doctor` still runs, says what
+    is missing with the fix, and exits 1. `import zeroedu` works there and the API names explain themselves."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=50)
+    py = str(venv / "bin" / "python")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if not (Path(p) / "nvidia-smi").exists())
+    proc = subprocess.run([py, "-m", "zeroedu", "doctor", "--json", "--nvme-path", str(tmp_path / "nvme")],
+                          capture_output=True, text=True, timeout=50, env=env, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    rows = {c["check"]: c for c in report["checks"]}
+    assert report["ok"] is False and "torch" in report["verdict"]
+    assert rows["python"]["status"] == OK
+    assert rows["torch"]["status"] == FAIL and "No module named 'torch'" in rows["torch"]["detail"]
+    if sys.platform.startswith("linux"):
+        assert "--index-url https://download.pytorch.org/whl/cpu" in rows["torch"]["fix"]
+    assert rows["gloo"]["detail"] == "not tried: torch is not installed"
+    assert rows["ranks"]["status"] == FAIL and "not tried" in rows["ranks"]["detail"]
+    assert rows["loopback"]["status"] == OK  # a plain socket still proves loopback works
+    assert rows["packages"]["status"] == FAIL and "missing numpy" in rows["packages"]["detail"]
+    assert rows["jupyterlab"]["status"] == FAIL and rows["widgets"]["status"] == FAIL
+    api = subprocess.run([py, "-c", "import zeroedu\ntry:\n    zeroedu.launch\nexcept ImportError as e:\n    print(e)"],
+                         capture_output=True, text=True, timeout=30, env=env)
+    assert api.returncode == 0 and "zeroedu.launch: zeroedu needs torch" in api.stdout, api.stdout + api.stderr
 
 
 def test_gloo():
@@ -80,9 +146,12 @@ def test_gpus():
     assert none.status == OK and "gloo" in none.detail
     four = doctor.check_gpus(devices=[("NVIDIA H200", 141 * GiB)] * 4, nccl=True)
     assert four.status == OK and "4 GPU(s)" in four.detail and "141.0 GB" in four.detail
-    assert "one GPU per rank" in four.detail
-    assert "gloo" in doctor.check_gpus(devices=[("NVIDIA T4", 16 * GiB)], nccl=True).detail  # 1 GPU < 4 ranks
+    assert "one GPU per rank" in four.detail and "scripts/gpu_check.sh" in four.detail
+    one = doctor.check_gpus(devices=[("NVIDIA T4", 16 * GiB)], nccl=True)
+    assert "4 ranks use gloo" in one.detail and "world_size <= 1 uses NCCL" in one.detail
     assert_problem(doctor.check_gpus(devices=[("NVIDIA T4", 16 * GiB)], nccl=False), WARN, "NCCL")
+    assert_problem(doctor.check_gpus(devices=[], nccl=True, driver_gpus=[("NVIDIA T4", 16 * GiB)]), WARN,
+                   "torch sees none")
 
 
 # -- resources ---------------------------------------------------------------------------------------------------

@@ -2,8 +2,21 @@
 
 __version__ = "0.1.0"
 
-from zeroedu.config import Config, ConfigError, load_config  # noqa: E402
-from zeroedu.engine import initialize  # noqa: E402
-from zeroedu.launch import launch  # noqa: E402
-
 __all__ = ["Config", "ConfigError", "initialize", "launch", "load_config", "__version__"]
+
+try:
+    from zeroedu.config import Config, ConfigError, load_config
+    from zeroedu.engine import initialize
+    from zeroedu.launch import launch
+except ModuleNotFoundError as _missing:
+    if _missing.name != "torch":
+        raise
+    # Without torch, `zeroedu doctor` still runs and says how to install it; the API names say so when used.
+    _TORCH_FIX = ("zeroedu needs torch, which is not installed in this environment. Install the pinned CPU build: "
+                  "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu (or `make "
+                  ".venv/.installed`); `zeroedu doctor` checks the rest.")
+
+    def __getattr__(name: str):
+        if name in __all__:
+            raise ImportError(f"zeroedu.{name}: {_TORCH_FIX}")
+        raise AttributeError(f"module 'zeroedu' has no attribute {name!r}")

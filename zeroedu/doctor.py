@@ -21,11 +21,11 @@ import os
 import platform
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import textwrap
 import time
-import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
@@ -35,7 +35,7 @@ from typing import Any
 
 __all__ = ["Result", "check_cores", "check_disk", "check_gloo", "check_gpus", "check_jupyterlab", "check_loopback",
            "check_memory", "check_nbval", "check_packages", "check_python", "check_ranks", "check_torch",
-           "check_widgets", "main", "run_checks", "verdict"]
+           "check_widgets", "main", "run_checks", "torch_install_fix", "verdict"]
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -51,7 +51,7 @@ RANK_START_SLOW_S = 20.0            # 4 ranks start in ~1-4 s on the 2-core mach
 WIDGETS_EXTENSION = "@jupyter-widgets/jupyterlab-manager"
 VENV_PY = ".venv/bin/python"
 
-CPU_TORCH_FIX = "pip install torch=={pin} --index-url https://download.pytorch.org/whl/cpu"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,11 @@ def _gb(n: float) -> str:
 def _requirements() -> list[str]:
     """zeroedu's runtime requirements as PEP 508 strings ("torch==2.13.0", ...)."""
     pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
-    if pyproject.is_file():
+    try:
+        import tomllib  # Python 3.11+; on an older Python the python row says what to do, so read metadata
+    except ImportError:
+        tomllib = None
+    if pyproject.is_file() and tomllib is not None:
         project = tomllib.loads(pyproject.read_text()).get("project", {})
         if project.get("name") == "zeroedu":
             return list(project.get("dependencies", []))
@@ -116,65 +120,133 @@ def check_python(version_info: Sequence[int] | None = None, executable: str | No
                   "or `conda env create -f environment.yml`", {"version": text, "executable": exe})
 
 
-def check_torch(version: str | None = None, cuda: str | None = None, pin: str | None = None) -> Result:
-    """version/cuda default to the installed torch (cuda None = CPU build); pin defaults to pyproject's."""
-    pin = _torch_pin() if pin is None else pin
+def _nvidia_smi() -> list[tuple[str, int]] | None:
+    """GPUs the NVIDIA driver sees, asked without torch: [(name, memory bytes)]; None where nvidia-smi is absent
+    or does not answer (no NVIDIA driver: every Mac, most laptops)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    gpus = []
+    for line in out.stdout.splitlines():
+        name, _, mib = line.rpartition(",")
+        try:
+            gpus.append((name.strip(), int(float(mib)) * 2**20))
+        except ValueError:
+            continue
+    return gpus
+
+
+def torch_install_fix(pin: str, nvidia_gpus: int, platform_name: str | None = None) -> str:
+    """How to install the pinned torch here: the CPU build unless an NVIDIA GPU is there to use."""
+    platform_name = sys.platform if platform_name is None else platform_name
+    if nvidia_gpus:
+        return f"pip install torch=={pin} (PyPI's Linux wheel is the CUDA build that uses the GPU)"
+    if platform_name == "darwin":
+        return f"pip install torch=={pin} (macOS wheels are CPU builds)"
+    return (f"pip install torch=={pin} --index-url {CPU_INDEX} (the CPU build; a plain `pip install torch` on Linux "
+            "pulls a CUDA build of several GB), or `make .venv/.installed` in the course folder")
+
+
+def check_torch(version: str | None = None, cuda: str | None = None, pin: str | None = None,
+                nvidia_gpus: int | None = None) -> Result:
+    """version/cuda default to the installed torch (cuda None = CPU build); pin defaults to pyproject's;
+    nvidia_gpus to what nvidia-smi sees (it picks the build the fix recommends)."""
+    pin = (_torch_pin() or "2.13.0") if pin is None else pin
+    if nvidia_gpus is None:
+        nvidia_gpus = len(_nvidia_smi() or [])
     if version is None:
         try:
             import torch
         except ImportError as e:
-            return Result("torch", FAIL, f"not importable: {e}", CPU_TORCH_FIX.format(pin=pin or "2.13.0"))
+            return Result("torch", FAIL, f"not importable: {e}", torch_install_fix(pin, nvidia_gpus),
+                          {"pin": pin, "nvidia_gpus": nvidia_gpus})
         version, cuda = torch.__version__, torch.version.cuda
     build = f"CUDA {cuda} build" if cuda else "CPU build"
-    data = {"version": version, "pin": pin, "cuda": cuda}
-    if pin is None or _release(version) == _release(pin):
-        return Result("torch", OK, f"{version}, {build}" + ("" if pin else " (no pin found to compare)"), data=data)
-    fix = (f"pip install torch=={pin}" + (" --index-url https://download.pytorch.org/whl/cpu" if not cuda else "")
+    data = {"version": version, "pin": pin, "cuda": cuda, "nvidia_gpus": nvidia_gpus}
+    fix = ((f"pip install torch=={pin}" if cuda else torch_install_fix(pin, nvidia_gpus))
            + " (into the course's environment)")
     if _release(version) < _release(pin):
         return Result("torch", FAIL, f"{version}, {build}; the course needs torch=={pin}: older versions lack "
                       "collectives it uses (all_gather_single, reduce_scatter_single)", fix, data)
-    return Result("torch", WARN, f"{version}, {build}; the course is tested with torch=={pin}", fix, data)
+    if _release(version) > _release(pin):
+        return Result("torch", WARN, f"{version}, {build}; the course is tested with torch=={pin}", fix, data)
+    if nvidia_gpus and not cuda:
+        return Result("torch", WARN, f"{version}, {build}, but nvidia-smi sees {nvidia_gpus} NVIDIA GPU(s): the "
+                      "course runs on the CPU and the GPU path (NCCL, CUDA memory, pinned offload) goes unused",
+                      torch_install_fix(pin, nvidia_gpus), data)
+    note = " (no NVIDIA GPU here: the CPU build would do, and is much smaller)" if cuda and not nvidia_gpus else ""
+    return Result("torch", OK, f"{version}, {build}{note}", data=data)
+
+
+def _torch_distributed():
+    """torch.distributed, or None when torch itself is missing (the torch row says how to install it)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    return dist
 
 
 def check_gloo(available: bool | None = None) -> Result:
     if available is None:
-        try:
-            import torch.distributed as dist
-        except ImportError:
-            available = False
-        else:
-            available = dist.is_available() and dist.is_gloo_available()
+        dist = _torch_distributed()
+        if dist is None:
+            return Result("gloo", FAIL, "not tried: torch is not installed", "install torch first (the torch row)")
+        available = dist.is_available() and dist.is_gloo_available()
     if available:
         return Result("gloo", OK, "torch.distributed with the gloo backend (CPU collectives)")
     return Result("gloo", FAIL, "this torch has no gloo backend: no rank can talk to another",
                   "install an official torch wheel (pip or conda-forge); builds without USE_DISTRIBUTED lack gloo")
 
 
-def check_gpus(devices: Sequence[tuple[str, int]] | None = None, nccl: bool | None = None) -> Result:
-    """devices: (name, total memory bytes) per visible GPU. No GPU is fine: the course runs on gloo."""
+def check_gpus(devices: Sequence[tuple[str, int]] | None = None, nccl: bool | None = None,
+               driver_gpus: Sequence[tuple[str, int]] | None = None) -> Result:
+    """devices: (name, total memory bytes) per GPU torch sees; driver_gpus: those nvidia-smi sees (defaults: this
+    machine). No GPU is fine: the course runs on gloo."""
+    if driver_gpus is None and devices is None:
+        driver_gpus = _nvidia_smi() or []
+    driver_gpus = list(driver_gpus or [])
     if devices is None or nccl is None:
-        try:
-            import torch
-            import torch.distributed as dist
-        except ImportError:
-            found, has_nccl = [], False
-        else:
-            found = ([(torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory)
-                      for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else [])
-            has_nccl = dist.is_available() and dist.is_nccl_available()
+        dist = _torch_distributed()
+        if dist is None:
+            seen = ", ".join(f"{n} {_gb(m)}" for n, m in driver_gpus)
+            return Result("gpus", OK if not driver_gpus else WARN,
+                          (f"nvidia-smi sees {len(driver_gpus)} GPU(s): {seen}; " if driver_gpus else
+                           "no NVIDIA GPU seen; ") + "torch is not installed, so NCCL is not known",
+                          "install torch first (the torch row)" if driver_gpus else "",
+                          {"gpus": [], "driver_gpus": [{"name": n, "memory_bytes": m} for n, m in driver_gpus],
+                           "nccl": None})
+        import torch
+
+        found = ([(torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory)
+                  for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else [])
         devices = found if devices is None else devices
-        nccl = has_nccl if nccl is None else nccl
-    data = {"gpus": [{"name": n, "memory_bytes": m} for n, m in devices], "nccl": nccl}
+        nccl = (dist.is_available() and dist.is_nccl_available()) if nccl is None else nccl
+    data = {"gpus": [{"name": n, "memory_bytes": m} for n, m in devices], "nccl": nccl,
+            "driver_gpus": [{"name": n, "memory_bytes": m} for n, m in driver_gpus]}
     if not devices:
         has = "available" if nccl else "not in this build"
+        if driver_gpus:
+            return Result("gpus", WARN, f"nvidia-smi sees {len(driver_gpus)} GPU(s) but torch sees none (a CPU "
+                          f"build, or a driver too old for this torch's CUDA); the course runs on CPU with gloo",
+                          "install the CUDA build: pip install torch==<pin> (PyPI's Linux wheel), and check "
+                          "nvidia-smi's driver version against the CUDA version torch reports", data)
         return Result("gpus", OK, f"none visible; the course runs on CPU with gloo (NCCL {has})", data=data)
     names = ", ".join(f"{n} {_gb(m)}" for n, m in devices)
     if not nccl:
         return Result("gpus", WARN, f"{len(devices)} GPU(s) ({names}) but this torch has no NCCL: ranks use gloo",
                       "install a CUDA build of the pinned torch (pip install torch==<pin>) to use NCCL", data)
-    per_rank = "one GPU per rank" if len(devices) >= WORLD_SIZE else f"{len(devices)} < {WORLD_SIZE}: 4 ranks use gloo"
-    return Result("gpus", OK, f"{len(devices)} GPU(s): {names}; NCCL available ({per_rank})", data=data)
+    per_rank = ("one GPU per rank" if len(devices) >= WORLD_SIZE
+                else f"{len(devices)} < {WORLD_SIZE}: 4 ranks use gloo; world_size <= {len(devices)} uses NCCL")
+    return Result("gpus", OK, f"{len(devices)} GPU(s): {names}; NCCL available ({per_rank}); "
+                  "GPU checks: scripts/gpu_check.sh", data=data)
 
 
 def _usable_cores() -> int:
