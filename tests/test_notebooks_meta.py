@@ -1,0 +1,89 @@
+"""Every course notebook states its learning goals, ends with questions, links its exercise, ran top to bottom,
+and stands alone (nothing read from ../shared, where the course's source material lives)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+EXERCISE_LINK = re.compile(r"exercises/(ex\d\d_[a-z0-9_]+\.ipynb)")
+SHARED = re.compile(r"(\.\./|/)shared\b|shared/seed")
+
+
+def load(path: Path) -> nbformat.NotebookNode:
+    return nbformat.read(path, as_version=4)
+
+
+def markdown(nb) -> str:
+    return "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+
+
+def headings(nb) -> list[str]:
+    return [h.lower() for h in re.findall(r"^#{1,6}\s+(.*)$", markdown(nb), re.M)]
+
+
+def test_the_course_has_its_notebooks():
+    names = {p.name for p in NOTEBOOKS}
+    assert {"00_start_here.ipynb", "01_memory_anatomy.ipynb", "02_collectives.ipynb", "10_interview.ipynb"} <= names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_learning_goals_first(path):
+    nb = load(path)
+    heads = headings(nb)
+    assert any("learning goals" in h for h in heads), f"{path.name}: add a '## Learning goals' section"
+    first_code = next((i for i, c in enumerate(nb.cells) if c.cell_type == "code"), len(nb.cells))
+    before = "\n".join(c.source for c in nb.cells[:first_code + 2] if c.cell_type == "markdown").lower()
+    assert "learning goals" in before, f"{path.name}: the learning goals belong at the top, before the work"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_ends_with_questions_and_an_exercise_link(path):
+    nb = load(path)
+    heads = headings(nb)
+    assert any("check your understanding" in h for h in heads), \
+        f"{path.name}: end with a '## Check your understanding' section of questions"
+    tail = "\n".join(c.source for c in nb.cells[-3:] if c.cell_type == "markdown")
+    assert re.search(r"^\s*1\.\s", tail, re.M), f"{path.name}: the last cells should hold numbered questions"
+    assert EXERCISE_LINK.search(markdown(nb)), f"{path.name}: link its exercise as exercises/exNN_name.ipynb"
+
+
+def test_linked_exercises_exist_once_written():
+    """A link must point at a real exercise, in exercises/ (generated) or solutions/ (the source)."""
+    links = {m for p in NOTEBOOKS for m in EXERCISE_LINK.findall(markdown(load(p)))}
+    existing = {p.name for d in ("exercises", "solutions") for p in (ROOT / d).glob("ex*.ipynb")}
+    if not existing:
+        pytest.skip("no exercise has been written yet")
+    # ex01 and ex02 are the first two; every link to them must resolve now, the rest as they are written
+    basics = {name for name in links if name[:4] in {"ex01", "ex02"}}
+    assert basics <= existing, f"missing: {sorted(basics - existing)}"
+    numbered = {name[:4] for name in existing}
+    wrong = sorted(name for name in links if name[:4] in numbered and name not in existing)
+    assert not wrong, f"these links name an exercise number that exists under another name: {wrong}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_stands_alone(path):
+    nb = load(path)
+    for i, c in enumerate(nb.cells):
+        if c.cell_type == "code":
+            assert not SHARED.search(c.source), f"{path.name} cell {i} reads the shared folder: {c.source[:200]}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_with_outputs_of_a_clean_run(path):
+    nb = load(path)
+    code = [c for c in nb.cells if c.cell_type == "code" and c.source.strip()]
+    counts = [c.execution_count for c in code]
+    assert all(counts), f"{path.name}: some code cells were never executed (run it top to bottom and save)"
+    assert counts == list(range(1, len(code) + 1)), f"{path.name}: cells ran out of order: {counts}"
+    errors = [o for c in code for o in c.outputs if o.output_type == "error"]
+    assert not errors, f"{path.name}: committed with an error output: {errors[0].get('ename')}"
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
