@@ -60,3 +60,14 @@ def test_planner_widget_follows_its_controls():
     assert w.text.startswith("error: 12 GPUs are not whole nodes of 8")
     w.controls["gpus"].value = 64
     assert "64 GPUs (8 nodes of 8)" in w.text
+
+
+def test_planner_widget_offers_a_calibrated_link():
+    from zeroedu import planner
+
+    lk = planner.Link("this machine", 1e-3, 0.3e9, "fit to 18 collectives from a notebook")
+    w = widgets.planner_widget(model="1.3B", gpus=4, gpus_per_node=4, intra=lk)
+    assert ("this machine", lk) in w.controls["intra"].options and w.controls["intra"].value is lk
+    assert "intra-node this machine: alpha 1000.0 us, beta 0.3 GB/s" in w.text
+    w.controls["intra"].value = "nvlink"
+    assert "intra-node nvlink" in w.text

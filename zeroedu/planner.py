@@ -75,22 +75,50 @@ def link(spec: str | float | Link, role_default: str) -> Link:
     return Link(f"{gbps:g} GB/s", base.alpha_s, gbps * GB, f"bandwidth given; alpha of {base.name}")
 
 
-def calibrate(samples: Iterable, name: str = "measured", source: str = "the course's measurements") -> Link:
-    """A Link fitted with theory.fit_alpha_beta to measured collectives.
-
-    Each sample is (op, nbytes, world_size, seconds), nbytes being the full tensor's bytes, or a ledger row
-    (a dict or LedgerEntry with op, tensor_bytes, group_size, seconds)."""
+def _collectives(samples: Iterable, need_seconds: bool) -> list[tuple[str, int, int, float]]:
+    """(op, tensor bytes, world size, seconds) from tuples or ledger rows (a dict or a LedgerEntry)."""
     rows = []
     for s in samples:
         if isinstance(s, Mapping) or hasattr(s, "tensor_bytes"):
             get = s.get if isinstance(s, Mapping) else lambda k, s=s: getattr(s, k)
-            rows.append((get("op"), int(get("tensor_bytes")), int(get("group_size")), float(get("seconds"))))
+            op, nbytes, world, seconds = get("op"), get("tensor_bytes"), get("group_size"), get("seconds")
+        elif len(s) in (3, 4):
+            op, nbytes, world, *rest = s
+            seconds = rest[0] if rest else None
         else:
-            op, nbytes, world, seconds = s
-            rows.append((op, int(nbytes), int(world), float(seconds)))
-    rows = [r for r in rows if r[0] in theory.RING_OPS]
+            raise ValueError(f"a collective is (op, bytes, world_size[, seconds]) or a ledger row, got {s!r}")
+        if need_seconds and seconds is None:
+            raise ValueError(f"a sample needs its measured seconds: {s!r}")
+        rows.append((op, int(nbytes), int(world), float(seconds or 0.0)))
+    return rows
+
+
+def calibrate(samples: Iterable, name: str = "measured", source: str = "the course's measurements") -> Link:
+    """A Link fitted with theory.fit_alpha_beta to measured collectives.
+
+    Each sample is (op, nbytes, world_size, seconds), nbytes being the full tensor's bytes, or a ledger row
+    (a dict or LedgerEntry with op, tensor_bytes, group_size, seconds). Collectives that are not ring
+    collectives (a broadcast) are left out of the fit."""
+    rows = [r for r in _collectives(samples, need_seconds=True) if r[0] in theory.RING_OPS]
     alpha, beta = theory.fit_alpha_beta(rows)
     return Link(name, alpha, beta, f"fit to {len(rows)} collectives from {source}")
+
+
+def predict_seconds(collectives: Iterable, link: Link | str = INTRA_DEFAULT) -> float:
+    """The alpha-beta time of collectives run one after another on `link`: the sum of theory.collective_time.
+
+    Each item is (op, tensor bytes, world_size) or a ledger row, e.g. the collectives of one step from
+    `engine.ledger.select(step=1)`, so that the model can be checked against the clock of the same run."""
+    lk = link if isinstance(link, Link) else LINKS[str(link).lower()] if str(link).lower() in LINKS else None
+    if lk is None:
+        raise ValueError(f"unknown link {link!r}: use one of {sorted(LINKS)}, or a Link (e.g. from calibrate)")
+    total = 0.0
+    for op, nbytes, world, _ in _collectives(collectives, need_seconds=False):
+        if op not in theory.RING_OPS:
+            raise ValueError(f"{op!r} is not one of the ring collectives the model knows ({sorted(theory.RING_OPS)}): "
+                             f"leave it out, e.g. engine.ledger.select(step=1, kind='grads')")
+        total += theory.collective_time(op, nbytes, world, lk.alpha_s, lk.beta_bytes_per_s)
+    return total
 
 
 # -- models and activations ---------------------------------------------------------------------------------

@@ -130,10 +130,14 @@ def memory_calculator(psi: float = 7.5e9, world_size: int = 64, stage: int = 3, 
 
 
 def planner_widget(model: str = "7B", gpus: int = 8, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0,
-                   intra: str = planner.INTRA_DEFAULT, inter: str = planner.INTER_DEFAULT,
+                   intra: str | planner.Link = planner.INTRA_DEFAULT, inter: str | planner.Link = planner.INTER_DEFAULT,
                    precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048) -> Calculator:
-    """zeroedu.planner.plan over presets and cluster settings; shows format_plan's table."""
-    links = sorted(planner.LINKS)
+    """zeroedu.planner.plan over presets and cluster settings; shows format_plan's table.
+
+    intra / inter: a link name from planner.LINKS, or a Link (e.g. planner.calibrate(...) of collectives timed
+    on your cluster), which joins the link menus under its name."""
+    links = [(name, name) for name in sorted(planner.LINKS)]
+    links += [(lk.name, lk) for lk in {id(x): x for x in (intra, inter) if isinstance(x, planner.Link)}.values()]
     controls = {
         "model": widgets.Dropdown(options=list(planner.PRESETS), value=model, description="model", **_style()),
         "gpus": widgets.BoundedIntText(value=gpus, min=1, max=1_000_000, description="GPUs", **_style()),
