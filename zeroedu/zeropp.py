@@ -236,7 +236,7 @@ class ZeroPPMixin:
             if from_node:
                 self.node_comm.all_gather(buf, self.secondary_piece(b), kind="params")
                 return
-            mine = self.layout.piece_of_shard(self.param_shard, b)
+            mine = self.param_piece(b)
             if self.qwz:
                 self._quantized_all_gather(buf, mine)
             else:
@@ -271,7 +271,7 @@ class ZeroPPMixin:
                 view.copy_(p.grad)
                 p.grad = None
         buf[b.numel:].zero_()
-        out = self.layout.piece_of_shard(self.grad_shard, b)
+        out = self.grad_out(b)
 
         def job() -> None:
             out.add_(self.quantized_reduce_scatter(buf).to(out.dtype))   # micro-steps accumulate

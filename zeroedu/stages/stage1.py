@@ -41,8 +41,13 @@ class Stage1(Stage0):
 
     def reduce_bucket(self, b: Bucket) -> None:
         grads = self.layout.bucket_view(self.flat_grads, b)
-        out = self.layout.piece_of_shard(self.grad_shard, b)
+        out = self.grad_out(b)
         self.launch(lambda: self.comm.reduce_scatter(out, grads, average=True, kind="grads"))
+
+    def grad_out(self, b: Bucket) -> torch.Tensor:
+        """Where bucket b's reduced gradient lands: this rank's piece of the gradient shard (offload: a staging
+        piece on the device, copied to the host shard afterwards)."""
+        return self.layout.piece_of_shard(self.grad_shard, b)
 
     def grad_pieces(self) -> list[torch.Tensor]:
         return [self.layout.piece_of_shard(self.grad_shard, b) for b in self.layout.buckets]

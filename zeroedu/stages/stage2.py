@@ -51,7 +51,7 @@ class Stage2(Stage1):
                 view.copy_(p.grad)
                 p.grad = None          # the full-size gradient is freed here
         buf[b.numel:].zero_()
-        out = self.layout.piece_of_shard(self.grad_shard, b)
+        out = self.grad_out(b)
 
         def job() -> None:
             reduced = torch.empty_like(out)

@@ -108,8 +108,13 @@ class Stage3(Stage2):
 
     def _start_gather(self, b: Bucket) -> None:
         buf = self._buffer(b)
-        src = self.layout.piece_of_shard(self.param_shard, b)
-        self.inflight[b.index] = (self.comm.run_async(lambda: self.comm.all_gather(buf, src, kind="params")), buf)
+        job = lambda: self.comm.all_gather(buf, self.param_piece(b), kind="params")  # noqa: E731
+        self.inflight[b.index] = (self.comm.run_async(job), buf)
+
+    def param_piece(self, b: Bucket) -> torch.Tensor:
+        """This rank's piece of unit b on the device, as its all-gather sends it (called on the comm thread;
+        offload_param brings it from the host or NVMe here)."""
+        return self.layout.piece_of_shard(self.param_shard, b)
 
     def fetch(self, u: int) -> None:
         """Make unit u whole, now (waiting for its prefetch if one is on the way)."""
