@@ -6,12 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: tour test lint nbval exercises clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml scripts/install_torch.py
 	@command -v $(PY) >/dev/null || { echo "zeroedu needs Python 3.11 ($(PY) not found); set PY=/path/to/python3.11"; exit 1; }
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# torch first and pinned, so that no other package can ask for a (CUDA) build of its own.
-	$(BIN)/pip install --quiet torch==2.13.0
+	# torch first, pinned, and the CPU build unless an NVIDIA GPU is there to use (Linux: PyPI's wheel is the
+	# CUDA build); installed before the rest so that no other package can ask for a build of its own.
+	$(BIN)/python scripts/install_torch.py
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
@@ -21,14 +22,14 @@ tour: $(STAMP)
 NOTEBOOKS := $(wildcard notebooks/*.ipynb solutions/*.ipynb)
 
 test: $(STAMP)
-	$(BIN)/ruff check zeroedu tests examples
+	$(BIN)/ruff check zeroedu tests examples scripts
 	$(BIN)/python -m pytest -q tests
 ifneq ($(NOTEBOOKS),)
 	$(BIN)/python -m pytest -q --nbval --sanitize-with tests/nbval_sanitize.cfg $(NOTEBOOKS)
 endif
 
 lint: $(STAMP)
-	$(BIN)/ruff check zeroedu tests
+	$(BIN)/ruff check zeroedu tests examples scripts
 
 exercises: $(STAMP)
 	$(BIN)/zeroedu build-exercises

@@ -28,9 +28,10 @@ fi
 echo "install_chromium: installing Debian's chromium with apt-get (once; about a minute)..."
 export DEBIAN_FRONTEND=noninteractive
 log="$(mktemp)"
-install() { apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core >>"$log" 2>&1; }
+# bounded: a network that drops packets must not hold CI for its whole budget (a fresh install takes ~1.5 min)
+install() { timeout 900 apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core >>"$log" 2>&1; }
 # a fresh container has empty package lists, an old one stale ones: update when the first try fails
-if (install || { apt-get update -qq >>"$log" 2>&1; install; }) && [ -x "$CHROMIUM" ]; then
+if (install || { timeout 600 apt-get update -qq >>"$log" 2>&1; install; }) && [ -x "$CHROMIUM" ]; then
     echo "install_chromium: installed $("$CHROMIUM" --version 2>/dev/null || echo "$CHROMIUM")."
 else
     echo "install_chromium: apt-get could not install chromium (last lines below); the browser test will skip."
