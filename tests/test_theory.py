@@ -268,6 +268,31 @@ def test_zeropp_by_hand():
         theory.zeropp_comm_bytes(4096, 6, 4)
 
 
+def test_zeropp_persistent_units_and_gradient_blocks_by_hand():
+    """layout [4096, 64] fp16 on N = 4 in nodes of 2, the 64-element unit persistent. Pieces: 1024 and 16."""
+    kw = dict(layout=[4096, 64], persistent=[64], precision="fp16", block_size=64)
+    base = theory.zeropp_comm_bytes(4160, 4, 2, **kw)
+    # Gathers move the big unit only (3 x 1024 x 2 = 6144 each); every unit's gradient is reduce-scattered
+    # (3 x 1040 x 2 = 6240); the persistent unit is all-gathered once, after the step (3 x 16 x 2 = 96).
+    assert [(c["name"], c["intra_node"] + c["cross_node"]) for c in base["collectives"]] == [
+        ("forward/all_gather", 6144), ("backward/all_gather", 6144), ("backward/reduce_scatter", 6240),
+        ("step/all_gather", 96)]
+    assert base["total"] == theory.comm_bytes_per_step(4160, 4, 3, "fp16", layout=[4096, 64],
+                                                       persistent=[64])["total"] == 18624
+    # hpZ keeps no secondary copy of a unit that stays whole: 2 bytes x 4096 / 2
+    assert theory.zeropp_comm_bytes(4160, 4, 2, hpz=True, **kw)["hpz_secondary_bytes"] == 4096
+    # qgZ with gradient blocks of 32 (weights keep 64): node slices of 2048 and 32 elements, pieces 1024 and 16
+    g = theory.zeropp_comm_bytes(4160, 4, 2, qgz=True, grad_block_size=32, **kw)["collectives"][2]
+    assert (g["intra_node"], g["cross_node"]) == ((1024 + 64 * 4) + (16 + 4), (512 + 32 * 4) + (8 + 4))
+    # twice the micro-steps: twice the gathers and reductions, the persistent gather still once a step
+    two = theory.zeropp_comm_bytes(4160, 4, 2, grad_accum=2, **kw)
+    assert two["total"] == 2 * (6144 + 6144 + 6240) + 96
+    with pytest.raises(ValueError, match="grad_bits must be 4 or 8"):
+        theory.zeropp_comm_bytes(4160, 4, 2, grad_bits=2, **kw)
+    with pytest.raises(ValueError, match="not in the layout"):
+        theory.zeropp_comm_bytes(4160, 4, 2, layout=[4096, 64], persistent=[65])
+
+
 def test_zeropp_headline_3_to_0_75():
     assert theory.zeropp_volume_paper() == 3 and theory.zeropp_volume_paper(True, True, True) == 0.75
     # 1024 nodes of 8: what leaves a node per step, in units of 2 psi bytes, is near the paper's figures

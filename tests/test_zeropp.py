@@ -4,22 +4,25 @@ References, none taken from the code under test: the error bound of symmetric bl
 here; plain stage 3 and a single-process run for losses; closed-form byte counts (below) computed from the
 model's modules for the ledger.
 
-Byte formulas per rank per optimizer step (N ranks, nodes of M, G = N/M nodes, E bytes per element; for each
+Byte formulas per rank per micro-step (N ranks, nodes of M, G = N/M nodes, E bytes per element; for each
 stage-3 unit of n elements, padded to p = ceil(n/N)*N, piece P = p/N; q(k, bits, block) = ceil(k*bits/8) +
 4*ceil(k/block) is a quantized message of k elements with one fp32 scale per block):
-  forward all-gather (world):            (N-1) * (q(P, 8, WB) if qwZ else P*E)
+  forward all-gather (world):            (N-1) * (q(P, W_bits, WB) if qwZ else P*E)
   backward all-gather: hpZ (node group): (M-1) * (p/M)*E        else as the forward, over the world
-  gradients: qgZ, hop 1 (node group):    (M-1) * q(G*P, GB_bits, GB)
-             qgZ, hop 2 (cross group):   (G-1) * q(P, GB_bits, GB)
+  gradients: qgZ, hop 1 (node group):    (M-1) * q(G*P, G_bits, GB)
+             qgZ, hop 2 (cross group):   (G-1) * q(P, G_bits, GB)
              else reduce-scatter (world): (N-1) * P*E
+A persistent unit (fewer elements than stage3_param_persistence_threshold) has no forward or backward
+all-gather; instead, once per optimizer step, a world all-gather of (N-1) * P*E after the update.
 Collectives whose group spans nodes: the world collectives and qgZ's hop 2. Bytes leaving a node per step:
 a ring over the world crosses out of each node at one rank, (N-1) * chunk; qgZ's hop 2 leaves from all M ranks.
-zeroedu.theory.zeropp_comm_bytes (another module, another author) is checked against the measurement too.
+zeroedu.theory.zeropp_comm_bytes (another module) is checked against the measurement too.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -34,17 +37,40 @@ G = N // M
 QW = {"zero_quantized_weights": True}
 HP = {"zero_hpz_partition_size": M}
 QG = {"zero_quantized_gradients": True}
-RUNS = {  # name -> (model, precision, zero keys, NODE_SIZE, gradient accumulation)
-    "plain": ("gpt", "fp32", {}, None, 1),
-    "qwz": ("gpt", "fp32", QW, None, 1),
-    "hpz": ("gpt", "fp32", HP, None, 1),
-    "qgz": ("gpt", "fp32", QG, M, 1),
-    "all": ("gpt", "fp32", {**QW, **HP, **QG}, None, 1),
-    "hpz-quirky": ("quirky", "fp32", HP, None, 2),   # tied, unused, twice-used parameters; accumulation
-    "plain-bf16": ("gpt", "bf16", {}, None, 1),
-    "all-bf16": ("gpt", "bf16", {**QW, **HP, **QG}, None, 1),
-}
+KNOBS = {"WEIGHT_BITS": 8, "WEIGHT_BLOCK": 64, "GRAD_BITS": 8, "GRAD_BLOCK": 96}   # not the defaults
+PERSIST = 200             # TinyGPT's 128-element LayerNorm units stay gathered
 STEPS = 4
+
+
+@dataclass(frozen=True)
+class Run:
+    model: str = "gpt"
+    precision: str = "fp32"
+    zero: dict = field(default_factory=dict)
+    node: int | None = None       # zeropp.NODE_SIZE (qgZ without hpZ takes its node from it)
+    accum: int = 1
+    steps: int = STEPS
+    knobs: dict = field(default_factory=dict)
+    persist: int = 0
+
+
+RUNS = {   # every combination of the three techniques, and the settings around them
+    "plain": Run(),
+    "qwz": Run(zero=QW),
+    "hpz": Run(zero=HP),
+    "qgz": Run(zero=QG, node=M),
+    "qwz+hpz": Run(zero={**QW, **HP}, steps=3),
+    "qwz+qgz": Run(zero={**QW, **QG}, node=M, accum=2, steps=3),     # and gradient accumulation
+    "hpz+qgz": Run(zero={**HP, **QG}, steps=3),
+    "all": Run(zero={**QW, **HP, **QG}),
+    "hpz-quirky": Run("quirky", zero=HP, accum=2),   # tied, unused, twice-used parameters; accumulation
+    "plain-bf16": Run(precision="bf16"),
+    "hpz-bf16": Run(precision="bf16", zero=HP),
+    "all-bf16": Run(precision="bf16", zero={**QW, **HP, **QG}),
+    "all-knobs": Run(zero={**QW, **HP, **QG}, knobs=KNOBS),           # int8 gradients, other block sizes
+    "all-persist": Run(zero={**QW, **HP, **QG}, persist=PERSIST, steps=3),
+}
+LEDGER_RUNS = [name for name, run in RUNS.items() if run.model == "gpt"]
 
 
 # -- quantization -------------------------------------------------------------------------------------------
@@ -121,6 +147,9 @@ def test_bits_are_checked():
 
 # -- the closed forms ---------------------------------------------------------------------------------------
 
+DEFAULTS = {"WEIGHT_BITS": 8, "WEIGHT_BLOCK": 2048, "GRAD_BITS": 4, "GRAD_BLOCK": 2048}   # as documented
+
+
 def q(k: int, bits: int, block: int) -> int:
     return math.ceil(k * bits / 8) + 4 * math.ceil(k / block)
 
@@ -138,8 +167,16 @@ def unit_sizes(model: torch.nn.Module) -> list[int]:
     return sizes
 
 
-def expected(sizes: list[int], E: int, qwz: bool, hpz: bool, qgz: bool) -> dict:
-    wb, gbits, gb = zeropp.WEIGHT_BLOCK, zeropp.GRAD_BITS, zeropp.GRAD_BLOCK
+def flags(run: Run) -> dict[str, bool]:
+    return {"qwz": "zero_quantized_weights" in run.zero, "hpz": "zero_hpz_partition_size" in run.zero,
+            "qgz": "zero_quantized_gradients" in run.zero}
+
+
+def expected(sizes: list[int], run: Run) -> dict:
+    """Bytes one rank sends in one optimizer step, by (phase, op, group), from the formulas above."""
+    E = 2 if run.precision == "bf16" else 4
+    k = {**DEFAULTS, **run.knobs}
+    f = flags(run)
     out = {"cross": 0, "intra": 0, "egress": 0, "ops": {}}   # cross/intra: by group; egress: leaving a node
 
     def add(key, nbytes, cross, egress):
@@ -147,22 +184,29 @@ def expected(sizes: list[int], E: int, qwz: bool, hpz: bool, qgz: bool) -> dict:
         out["cross" if cross else "intra"] += nbytes
         out["egress"] += egress
 
+    world = tuple(range(N))
     for n in sizes:
         p = math.ceil(n / N) * N
         P = p // N
-        fwd = (N - 1) * (q(P, 8, wb) if qwz else P * E)
-        add(("forward", "all_gather", tuple(range(N))), fwd, True, fwd)
-        if hpz:
-            add(("backward", "all_gather", "node"), (M - 1) * (p // M) * E, False, 0)
-        else:
-            add(("backward", "all_gather", tuple(range(N))), fwd, True, fwd)
-        if qgz:
-            add(("backward", "all_to_all", "node"), (M - 1) * q(G * P, gbits, gb), False, 0)
-            hop2 = (G - 1) * q(P, gbits, gb)
-            add(("backward", "all_to_all", "cross"), hop2, True, M * hop2)
-        else:
-            rs = (N - 1) * P * E
-            add(("backward", "reduce_scatter", tuple(range(N))), rs, True, rs)
+        for _ in range(run.accum):
+            if n < run.persist:
+                pass      # stays gathered: no forward or backward all-gather
+            else:
+                fwd = (N - 1) * (q(P, k["WEIGHT_BITS"], k["WEIGHT_BLOCK"]) if f["qwz"] else P * E)
+                add(("forward", "all_gather", world), fwd, True, fwd)
+                if f["hpz"]:
+                    add(("backward", "all_gather", "node"), (M - 1) * (p // M) * E, False, 0)
+                else:
+                    add(("backward", "all_gather", world), fwd, True, fwd)
+            if f["qgz"]:
+                add(("backward", "all_to_all", "node"), (M - 1) * q(G * P, k["GRAD_BITS"], k["GRAD_BLOCK"]), False, 0)
+                hop2 = (G - 1) * q(P, k["GRAD_BITS"], k["GRAD_BLOCK"])
+                add(("backward", "all_to_all", "cross"), hop2, True, M * hop2)
+            else:
+                rs = (N - 1) * P * E
+                add(("backward", "reduce_scatter", world), rs, True, rs)
+        if n < run.persist:
+            add(("step", "all_gather", world), (N - 1) * P * E, True, (N - 1) * P * E)
     return out
 
 
@@ -176,25 +220,31 @@ def train(rank: int, world: int, name: str) -> dict:
     from reference import batch, loss_fn, make
     from workers import config
 
-    model, precision, zero, node, accum = RUNS[name]
-    zeropp.NODE_SIZE = node
-    cfg = config(3, precision, accum=accum, micro=2 // accum, **zero)
-    engine, *_ = zeroedu.initialize(model=make(model), config=cfg)
+    run = RUNS[name]
+    zeropp.NODE_SIZE = run.node
+    for knob, value in run.knobs.items():
+        setattr(zeropp, knob, value)
+    cfg = config(3, run.precision, accum=run.accum, micro=2 // run.accum, persist=run.persist, **run.zero)
+    engine, *_ = zeroedu.initialize(model=make(run.model), config=cfg)
+    for knob, value in DEFAULTS.items():
+        setattr(zeropp, knob, value)     # the engine read its knobs when it was built
     losses = []
-    for s in range(STEPS):
-        x, y = batch(model, s, 8)
+    for s in range(run.steps):
+        x, y = batch(run.model, s, 8)
         total = torch.zeros(())
-        for micro in range(accum):
-            xs, ys = shard_batch(x, y, rank, world, micro, accum)
+        for micro in range(run.accum):
+            xs, ys = shard_batch(x, y, rank, world, micro, run.accum)
             loss = loss_fn(engine(xs), ys)
             engine.backward(loss)
             engine.step()
             total += loss.detach().float()
         dist.all_reduce(total)
-        losses.append(float(total) / (world * accum))
+        losses.append(float(total) / (world * run.accum))
     out = {"losses": losses, "params": engine.master_state_dict(),
            "ledger": engine.ledger.select(step=2),
            "parameter_bytes": engine.memory()["resident"]["parameters"],
+           "knobs": tuple(getattr(engine, k, None) for k in ("weight_bits", "weight_block", "grad_bits",
+                                                              "grad_block")),
            "node": getattr(engine, "node_size", None)}
     if name == "qgz":
         out["rs"] = reduce_scatter_check(engine, rank, world)
@@ -206,7 +256,7 @@ def reduce_scatter_check(engine, rank: int, world: int) -> list[tuple[float, flo
     """qgZ's two hops against the exact average, on buffers every rank can rebuild from seeds."""
     out = []
     for bits in (4, 8):
-        zeropp.GRAD_BITS = bits
+        engine.grad_bits = bits
         numel = 4 * 1000
         bufs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
         got = engine.quantized_reduce_scatter(bufs[rank].clone())
@@ -216,41 +266,63 @@ def reduce_scatter_check(engine, rank: int, world: int) -> list[tuple[float, flo
         # hop 1 adds M source errors of <= a/2L, hop 2 adds G errors of <= (M a)/2L; then / N
         bound = (M * a / (2 * L) + G * M * a / (2 * L)) / world
         out.append((bits, float((got - exact).abs().max()), bound))
-    zeropp.GRAD_BITS = 4
     return out
 
 
 def all_runs(rank: int, world: int) -> dict:
     out = {name: train(rank, world, name) for name in RUNS}
+    errors = {}
     try:
         zeroedu.initialize(model=torch.nn.Linear(2, 2), config={"zero_optimization": {
             "stage": 3, "zero_hpz_partition_size": 3}})
     except ValueError as e:
-        out["error"] = str(e)
+        errors["partition"] = str(e)
+    for knob, bad in (("GRAD_BITS", 3), ("WEIGHT_BLOCK", 0)):
+        setattr(zeropp, knob, bad)
+        try:
+            zeroedu.initialize(model=torch.nn.Linear(2, 2), config={"zero_optimization": {
+                "stage": 3, "zero_quantized_gradients": True}})
+        except ValueError as e:
+            errors[knob] = str(e)
+        setattr(zeropp, knob, DEFAULTS[knob])
+    out["errors"] = errors
     return out
 
 
 @pytest.fixture(scope="module")
 def results():
-    return zeroedu.launch(all_runs, world_size=N, timeout=500)
+    return zeroedu.launch(all_runs, world_size=N, timeout=600)
 
 
 # -- tests on the runs --------------------------------------------------------------------------------------
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(30)
+def test_one_default_for_engine_and_theory():
+    """The quantizer's defaults are defined once (zeroedu.theory) and are what this file documents."""
+    assert {"WEIGHT_BITS": zeropp.WEIGHT_BITS, "WEIGHT_BLOCK": zeropp.WEIGHT_BLOCK, "GRAD_BITS": zeropp.GRAD_BITS,
+            "GRAD_BLOCK": zeropp.GRAD_BLOCK} == DEFAULTS
+    assert (theory.ZEROPP_WEIGHT_BITS, theory.ZEROPP_GRAD_BITS, theory.ZEROPP_BLOCK_SIZE) == (8, 4, 2048)
+    import inspect
+
+    kw = inspect.signature(theory.zeropp_comm_bytes).parameters
+    assert (kw["weight_bits"].default, kw["grad_bits"].default, kw["block_size"].default) == (8, 4, 2048)
+
+
+@pytest.mark.timeout(700)
 def test_hpz_alone_is_exact(results):
     r = results[0]
-    assert r["hpz"]["losses"] == r["plain"]["losses"]
-    assert all(torch.equal(r["hpz"]["params"][k], r["plain"]["params"][k]) for k in r["plain"]["params"])
+    for hpz, plain in (("hpz", "plain"), ("hpz-bf16", "plain-bf16")):
+        assert r[hpz]["losses"] == r[plain]["losses"], hpz
+        assert all(torch.equal(r[hpz]["params"][k], r[plain]["params"][k]) for k in r[plain]["params"]), hpz
     # with accumulation, on the awkward model, it equals a single process on the global batch
     ref_losses, ref_params = single_process("quirky", steps=STEPS)
     assert rel(r["hpz-quirky"]["losses"], ref_losses) < 1e-6
     assert param_rel(r["hpz-quirky"]["params"], ref_params) < 1e-6
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(700)
 @pytest.mark.parametrize("name,plain", [("qwz", "plain"), ("qgz", "plain"), ("all", "plain"),
-                                        ("all-bf16", "plain-bf16")])
+                                        ("all-knobs", "plain"), ("all-bf16", "plain-bf16")])
 def test_quantized_loss_tracks_plain_stage3(results, name, plain):
     """Every loss of a 4-step run within 1% of plain stage 3 (DeepSpeed's own ZeRO++ test accepts 10%),
     and not equal to it: the quantization really ran."""
@@ -261,7 +333,7 @@ def test_quantized_loss_tracks_plain_stage3(results, name, plain):
     assert param_rel(results[0][name]["params"], results[0][plain]["params"]) < 0.05
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(700)
 def test_quantized_reduce_scatter_lands_in_the_right_place(results):
     for rank in range(N):
         for bits, err, bound in results[rank]["qgz"]["rs"]:
@@ -269,16 +341,14 @@ def test_quantized_reduce_scatter_lands_in_the_right_place(results):
             assert err > 0
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["plain", "qwz", "hpz", "qgz", "all", "plain-bf16", "all-bf16"])
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("name", LEDGER_RUNS)
 def test_ledger_bytes_equal_theory(results, name):
     from reference import make
 
-    model, precision, zero, _, _ = RUNS[name]
-    E = 2 if precision == "bf16" else 4
-    qwz, hpz, qgz = "zero_quantized_weights" in zero, "zero_hpz_partition_size" in zero, \
-        "zero_quantized_gradients" in zero
-    want = expected(unit_sizes(make(model)), E, qwz, hpz, qgz)
+    run = RUNS[name]
+    sizes = unit_sizes(make(run.model))
+    want = expected(sizes, run)
     for rank in range(N):
         ledger = [e for e in results[rank][name]["ledger"] if e.kind in ("params", "grads")]
         node = tuple(range(rank // M * M, rank // M * M + M))
@@ -288,21 +358,33 @@ def test_ledger_bytes_equal_theory(results, name):
             group = {node: "node", cross: "cross"}.get(e.group, e.group) if e.group_size < N else e.group
             got[(e.phase, e.op, group)] = got.get((e.phase, e.op, group), 0) + e.sent_bytes
         assert got == want["ops"], (name, rank, got, want["ops"])
+        assert all(e.sent_measured for e in ledger if e.op != "all_to_all"), name   # bytes handed to isend
         split = zeropp.split_cross_node(results[rank][name]["ledger"], M)
         assert sum(e.sent_bytes for e in split["cross_node"] if e.kind != "scalar") == want["cross"]
         assert sum(e.sent_bytes for e in split["intra_node"] if e.kind != "scalar") == want["intra"]
     measured = zeropp.where_bytes_go([results[r][name]["ledger"] for r in range(N)], M, step=2)
     assert measured["per_node"] == [want["egress"]] * G, (name, measured, want["egress"])
     # zeroedu.theory's closed form: same keys, same numbers
-    sizes = unit_sizes(make(model))
-    assert zeropp.WEIGHT_BLOCK == zeropp.GRAD_BLOCK   # theory takes one block size for both
-    th = theory.zeropp_comm_bytes(sum(sizes), N, M, qwz=qwz, hpz=hpz, qgz=qgz, precision=precision,
-                                  block_size=zeropp.WEIGHT_BLOCK, grad_bits=zeropp.GRAD_BITS, layout=sizes)
+    k = {**DEFAULTS, **run.knobs}
+    th = theory.zeropp_comm_bytes(sum(sizes), N, M, **flags(run), precision=run.precision, layout=sizes,
+                                  weight_bits=k["WEIGHT_BITS"], block_size=k["WEIGHT_BLOCK"],
+                                  grad_bits=k["GRAD_BITS"], grad_block_size=k["GRAD_BLOCK"],
+                                  grad_accum=run.accum, persistent=[n for n in sizes if n < run.persist])
     for key in ("intra_node", "cross_node", "total", "cross_node_per_node"):
         assert measured[key] == th[key], (name, key, measured[key], th[key])
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(700)
+def test_knobs_are_the_engines(results):
+    """The engine used the knobs set before initialize (and kept them when they were reset after)."""
+    k = {**DEFAULTS, **KNOBS}
+    assert results[0]["all-knobs"]["knobs"] == (k["WEIGHT_BITS"], k["WEIGHT_BLOCK"], k["GRAD_BITS"], k["GRAD_BLOCK"])
+    assert results[0]["all"]["knobs"] == tuple(DEFAULTS.values())
+    grads = [e for e in results[0]["all-knobs"]["ledger"] if e.op == "all_to_all"]
+    assert grads and all(e.dtype == "uint8" for e in grads)
+
+
+@pytest.mark.timeout(700)
 def test_paper_claim_in_bytes_leaving_a_node(results):
     """bf16, all three: bytes leaving a node per step against plain stage 3. The paper's 3M -> 0.75M is the
     limit of many ranks; at N = 4 in 2 nodes the closed form gives (3/4 Psi + 1/4 Psi) / (3 * 3/4 * 2 Psi)
@@ -314,21 +396,34 @@ def test_paper_claim_in_bytes_leaving_a_node(results):
     assert theory.zeropp_volume_paper(qwz=True, hpz=True, qgz=True) / theory.zeropp_volume_paper() == 0.25
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(700)
 def test_secondary_copy_shows_in_parameter_memory(results):
+    """hpZ's price: Psi/M more parameter elements per rank, for the units that are gathered (a persistent
+    unit is whole on every rank already and gets no secondary copy)."""
     from reference import make
 
-    for name in ("plain", "hpz", "all-bf16"):
-        _, precision, zero, _, _ = RUNS[name]
-        E = 2 if precision == "bf16" else 4
-        full = sum(math.ceil(n / N) * N for n in unit_sizes(make("gpt")))
-        want = full // N * E + (full // M * E if "zero_hpz_partition_size" in zero else 0)
+    sizes = unit_sizes(make("gpt"))
+    for name in ("plain", "hpz", "all-bf16", "all-persist"):
+        run = RUNS[name]
+        E = 2 if run.precision == "bf16" else 4
+        padded = [math.ceil(n / N) * N for n in sizes]
+        kept = [p for n, p in zip(sizes, padded, strict=True) if n < run.persist]
+        gathered = [p for n, p in zip(sizes, padded, strict=True) if n >= run.persist]
+        want = sum(padded) // N * E + sum(kept) * E
+        if flags(run)["hpz"]:
+            want += sum(gathered) // M * E
         assert results[0][name]["parameter_bytes"] == want, name
+        th = theory.zeropp_comm_bytes(sum(sizes), N, M, **flags(run), precision=run.precision, layout=sizes,
+                                      persistent=[n for n in sizes if n < run.persist])
+        assert th["hpz_secondary_bytes"] == (sum(gathered) // M * E if flags(run)["hpz"] else 0), name
 
 
-@pytest.mark.timeout(600)
-def test_bad_partition_size_names_the_fix(results):
-    assert "must divide the world size 4" in results[0]["error"]
+@pytest.mark.timeout(700)
+def test_bad_settings_name_the_fix(results):
+    errors = results[0]["errors"]
+    assert "must divide the world size 4" in errors["partition"]
+    assert "zeroedu.zeropp.GRAD_BITS = 3: it must be 4 or 8" in errors["GRAD_BITS"]
+    assert "zeroedu.zeropp.WEIGHT_BLOCK = 0: it must be a whole number" in errors["WEIGHT_BLOCK"]
 
 
 @pytest.mark.timeout(30)

@@ -382,7 +382,20 @@ def offload_transfer_bytes_per_step(psi: int, world_size: int, stage: int, preci
 
 
 # -- ZeRO++ (Wang et al. 2023) ------------------------------------------------------------------------------
-def quantized_bytes(numel: int, bits: int, block_size: int, scale_bytes: int) -> int:
+# The quantizer's defaults, here once: zeroedu.zeropp takes its knobs from these, so the engine and the closed
+# form agree unless a caller changes one of them (then pass the same value to zeropp_comm_bytes).
+ZEROPP_WEIGHT_BITS = 8
+"""qwZ: int8 weights, as in the paper and DeepSpeed."""
+ZEROPP_GRAD_BITS = 4
+"""qgZ: int4 gradients, as in the paper and DeepSpeed (8 is the other choice zeroedu offers)."""
+ZEROPP_BLOCK_SIZE = 2048
+"""Elements that share one scale, for weights and gradients. DeepSpeed's qwZ kernel picks a group size of up
+to 8000 elements per tensor; 2048 keeps zeroedu's small models at several blocks per unit."""
+ZEROPP_SCALE_BYTES = 4
+"""One fp32 scale per block (symmetric quantization: no zero point)."""
+
+
+def quantized_bytes(numel: int, bits: int, block_size: int, scale_bytes: int = ZEROPP_SCALE_BYTES) -> int:
     """Bytes of `numel` values quantized to `bits` bits in blocks of `block_size` values, each block carrying
     one scale of `scale_bytes` (symmetric quantization: no zero point; pass scale_bytes=8 for scale + offset).
     Values are packed: ceil(numel * bits / 8) bytes, plus ceil(numel / block_size) scales."""
@@ -390,9 +403,11 @@ def quantized_bytes(numel: int, bits: int, block_size: int, scale_bytes: int) ->
 
 
 def zeropp_comm_bytes(psi: int, world_size: int, node_size: int, qwz: bool = False, hpz: bool = False,
-                      qgz: bool = False, precision: str = "fp16", weight_bits: int = 8, grad_bits: int = 4,
-                      block_size: int = 2048, scale_bytes: int = 4, grad_accum: int = 1,
-                      layout: Sequence[int] | None = None) -> dict:
+                      qgz: bool = False, precision: str = "fp16", weight_bits: int = ZEROPP_WEIGHT_BITS,
+                      grad_bits: int = ZEROPP_GRAD_BITS, block_size: int = ZEROPP_BLOCK_SIZE,
+                      scale_bytes: int = ZEROPP_SCALE_BYTES, grad_accum: int = 1,
+                      layout: Sequence[int] | None = None, persistent: Sequence[int] | None = None,
+                      grad_block_size: int | None = None) -> dict:
     """Bytes per rank per optimizer step of ZeRO stage 3, with or without each ZeRO++ technique, split into
     bytes sent to a rank on the same node ("intra_node") and on another node ("cross_node").
 
@@ -408,9 +423,14 @@ def zeropp_comm_bytes(psi: int, world_size: int, node_size: int, qwz: bool = Fal
       forward gather): (g-1)/g of the unit, all intra-node, never quantized. The secondary copy costs
       p P / g bytes per rank ("hpz_secondary_bytes").
     - gradients: a flat ring reduce-scatter in the compute dtype, or with qgZ a two-hop all-to-all of
-      `grad_bits` quantized gradients: inside the node each rank sends g-1 of its g slices of P/g (quantized
-      per slice), the node reduces, and then each rank sends M-1 of the M pieces (P/N each, quantized per
-      piece) of its node-reduced slice to its peers (same local rank) on the other nodes.
+      `grad_bits` quantized gradients (blocks of `grad_block_size`, default `block_size`): inside the node each
+      rank sends g-1 of its g slices of P/g (quantized per slice), the node reduces, and then each rank sends
+      M-1 of the M pieces (P/N each, quantized per piece) of its node-reduced slice to its peers (same local
+      rank) on the other nodes.
+    `persistent` units (sizes, each also in `layout`; stage3_param_persistence_threshold) are never gathered
+    in forward or backward and need no secondary copy: they are all-gathered once per optimizer step after the
+    update, a flat ring in the compute dtype ("step/all_gather", not quantized: DeepSpeed does not quantize it
+    either). Their gradients are reduced like every other unit's.
     "collectives" lists each collective with its group size, "steps" (messages a rank sends one after another
     for ONE unit, over the step's micro-steps), "algorithm" and bytes (all units); "total" = intra + cross;
     "cross_node_per_node" = g x cross_node, the bytes one node's ranks send to other nodes per step.
@@ -420,14 +440,25 @@ def zeropp_comm_bytes(psi: int, world_size: int, node_size: int, qwz: bool = Fal
     n, g = world_size, node_size
     if g < 1 or n % g:
         raise ValueError(f"world_size ({n}) must be a whole number of nodes of node_size ({g}) ranks.")
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}.")
+    for name, bits in (("weight_bits", weight_bits), ("grad_bits", grad_bits)):
+        if bits not in (4, 8):
+            raise ValueError(f"{name} must be 4 or 8, got {bits!r}.")
+    grad_block = block_size if grad_block_size is None else grad_block_size
+    if block_size < 1 or grad_block < 1:
+        raise ValueError(f"block sizes must be >= 1, got block_size={block_size}, grad_block_size={grad_block}.")
     nodes = n // g
     p = param_bytes(precision)
-    units = [padded_numel(k, n) for k in _layout(psi, layout)]
+    every = _layout(psi, layout)
+    gathered, kept = _units(every, persistent)
+    units = [padded_numel(k, n) for k in gathered]          # gathered in forward and backward
+    all_units = [padded_numel(k, n) for k in every]          # reduced
     cross_share = Fraction(nodes, n) if nodes > 1 else Fraction(0)
 
-    def flat_ring(name: str, piece_bytes: int) -> dict:
-        sent = Fraction((n - 1) * piece_bytes) * grad_accum
-        return {"name": name, "group_size": n, "steps": (n - 1) * grad_accum, "algorithm": "ring",
+    def flat_ring(name: str, piece_bytes: int, times: int = grad_accum) -> dict:
+        sent = Fraction((n - 1) * piece_bytes) * times
+        return {"name": name, "group_size": n, "steps": (n - 1) * times, "algorithm": "ring",
                 "intra_node": sent * (1 - cross_share), "cross_node": sent * cross_share}
 
     def weights(name: str) -> dict:
@@ -443,13 +474,15 @@ def zeropp_comm_bytes(psi: int, world_size: int, node_size: int, qwz: bool = Fal
     else:
         found.append(weights("backward/all_gather"))
     if qgz:
-        intra = sum((g - 1) * quantized_bytes(u // g, grad_bits, block_size, scale_bytes) for u in units)
-        cross = sum((nodes - 1) * quantized_bytes(u // n, grad_bits, block_size, scale_bytes) for u in units)
+        intra = sum((g - 1) * quantized_bytes(u // g, grad_bits, grad_block, scale_bytes) for u in all_units)
+        cross = sum((nodes - 1) * quantized_bytes(u // n, grad_bits, grad_block, scale_bytes) for u in all_units)
         found.append({"name": "backward/all_to_all", "group_size": n, "steps": (g - 1 + nodes - 1) * grad_accum,
                       "algorithm": "two_hop_all_to_all", "intra_node": Fraction(intra * grad_accum),
                       "cross_node": Fraction(cross * grad_accum)})
     else:
-        found.append(flat_ring("backward/reduce_scatter", sum(p * (u // n) for u in units)))
+        found.append(flat_ring("backward/reduce_scatter", sum(p * (u // n) for u in all_units)))
+    if kept:
+        found.append(flat_ring("step/all_gather", sum(p * (padded_numel(k, n) // n) for k in kept), times=1))
     intra = sum((c["intra_node"] for c in found), Fraction(0))
     cross = sum((c["cross_node"] for c in found), Fraction(0))
     for c in found:
@@ -475,6 +508,7 @@ def zeropp_cross_node_ratio(psi: int, world_size: int, node_size: int, **kw) -> 
 
 __all__ = [
     "GB", "MODEL_STATES", "PARAM_BYTES", "PRECISIONS", "RING_OPS", "STAGES", "TIERS",
+    "ZEROPP_BLOCK_SIZE", "ZEROPP_GRAD_BITS", "ZEROPP_SCALE_BYTES", "ZEROPP_WEIGHT_BITS",
     "collective_time", "comm_bytes_per_step", "comm_volume_paper", "fit_alpha_beta", "layout_numel",
     "master_bytes", "model_state_bytes", "model_state_bytes_paper", "model_state_bytes_paper_parts", "offload_bytes",
     "offload_transfer_bytes_per_step", "optimizer_K", "optimizer_state_bytes", "padded_numel", "param_bytes",

@@ -22,7 +22,10 @@ Which collectives span nodes: `split_cross_node(ledger, node_size)` (one rank's 
 Which bytes leave a node: `where_bytes_go(ledgers, node_size)` (every rank's ledger; the keys of
 zeroedu.theory.zeropp_comm_bytes, so measured and theory print side by side: the paper's 3M -> 0.75M).
 
-This module's knobs are constants (DeepSpeed keeps them internal too); change them before `initialize`.
+The knobs are module constants, as DeepSpeed keeps them internal too (its config has only the three switches).
+Their defaults live in zeroedu.theory (ZEROPP_*), so the engine and the closed form agree. Set them before
+`initialize`, inside the function that runs on the ranks (a rank does not see a change made in the notebook's
+own process): each engine reads them once, when it is built, and checks them.
 """
 
 from __future__ import annotations
@@ -32,17 +35,18 @@ import os
 
 import torch
 
+from zeroedu import theory
 from zeroedu.comm import Comm, Ledger
 from zeroedu.flat import Bucket
 
-WEIGHT_BITS = 8
-"""qwZ code width. int8 as in DeepSpeed: symmetric codes in [-127, 127]."""
-WEIGHT_BLOCK = 256
+WEIGHT_BITS = theory.ZEROPP_WEIGHT_BITS
+"""qwZ code width, 8 (as in DeepSpeed: symmetric codes in [-127, 127]) or 4."""
+WEIGHT_BLOCK = theory.ZEROPP_BLOCK_SIZE
 """qwZ block: elements that share one fp32 scale. Smaller blocks follow the data closely (less error) and
-cost more scale bytes: 4 bytes per block, 1.6% of the int8 payload at 256."""
-GRAD_BITS = 4
+cost more scale bytes: 4 bytes per block, 0.2% of the int8 payload at 2048, 1.6% at 256."""
+GRAD_BITS = theory.ZEROPP_GRAD_BITS
 """qgZ code width, 4 or 8. int4 (codes in [-7, 7], two per byte) is the paper's choice."""
-GRAD_BLOCK = 256
+GRAD_BLOCK = theory.ZEROPP_BLOCK_SIZE
 """qgZ block: elements of a gradient slice that share one fp32 scale."""
 NODE_SIZE: int | None = None
 """Ranks per node when the config has no hpZ (hpZ's partition size is the node when it is set). None: the
@@ -196,6 +200,7 @@ class ZeroPPMixin:
         self.qwz, self.qgz = zc.zero_quantized_weights, zc.zero_quantized_gradients
         self.hpz = zc.zero_hpz_partition_size > 1
         self.node_size = self._node_size(zc.zero_hpz_partition_size)
+        self.weight_bits, self.weight_block, self.grad_bits, self.grad_block = self._knobs()
         n, m = self.world_size, self.node_size
         # Every rank creates every group, in the same order; each keeps the two it belongs to.
         self.node_comm: Comm | None = None     # my node: ranks g*M .. g*M+M-1
@@ -205,11 +210,30 @@ class ZeroPPMixin:
                 self.node_comm = self.comm.subgroup(list(range(g * m, (g + 1) * m)), f"node{g}") or self.node_comm
             for local in range(m):
                 self.cross_comm = self.comm.subgroup(list(range(local, n, m)), f"cross{local}") or self.cross_comm
-        # hpZ's secondary shard: this rank's 1/M of every unit, cut from the forward's all-gather. A unit is
-        # in _secondary_fresh once a forward gather has refreshed it after the last optimizer step.
-        self.secondary = torch.zeros(self.layout.full_numel // m, dtype=self.dtype,
-                                     device=self.param_shard.device) if self.hpz else None
+        # hpZ's secondary shard: this rank's 1/M of every unit that is gathered (a persistent unit stays whole
+        # and needs none), cut from the forward's all-gather. A unit is in _secondary_fresh once a forward
+        # gather has refreshed it after the last optimizer step.
+        self._secondary_at: dict[int, int] = {}
+        numel = 0
+        for b in self.layout.buckets:
+            if b.index not in self.persistent:
+                self._secondary_at[b.index] = numel
+                numel += b.padded // m
+        self.secondary = torch.zeros(numel, dtype=self.dtype, device=self.param_shard.device) if self.hpz else None
         self._secondary_fresh: set[int] = set()
+
+    @staticmethod
+    def _knobs() -> tuple[int, int, int, int]:
+        """This engine's quantizer settings, read once from the module's knobs and checked."""
+        knobs = {"WEIGHT_BITS": WEIGHT_BITS, "WEIGHT_BLOCK": WEIGHT_BLOCK, "GRAD_BITS": GRAD_BITS,
+                 "GRAD_BLOCK": GRAD_BLOCK}
+        for name, value in knobs.items():
+            ok = value in (4, 8) if name.endswith("BITS") else (isinstance(value, int) and value >= 1)
+            if not ok or isinstance(value, bool):
+                want = "4 or 8" if name.endswith("BITS") else "a whole number of elements >= 1"
+                raise ValueError(f"zeroedu.zeropp.{name} = {value!r}: it must be {want}. Set it before "
+                                 f"initialize(), on every rank (inside the function that zeroedu.launch runs).")
+        return WEIGHT_BITS, WEIGHT_BLOCK, GRAD_BITS, GRAD_BLOCK
 
     def _node_size(self, hpz: int) -> int:
         n = self.world_size
@@ -222,8 +246,8 @@ class ZeroPPMixin:
 
     def secondary_piece(self, b: Bucket) -> torch.Tensor:
         """This rank's 1/M of unit b in the secondary shard."""
-        m = self.node_size
-        return self.secondary[b.start // m: (b.start + b.padded) // m]
+        at = self._secondary_at[b.index]
+        return self.secondary[at: at + b.padded // self.node_size]
 
     # -- parameters: qwZ and hpZ ------------------------------------------------------------------------------
     def _start_gather(self, b: Bucket) -> None:
@@ -250,10 +274,10 @@ class ZeroPPMixin:
     def _quantized_all_gather(self, buf: torch.Tensor, mine: torch.Tensor) -> None:
         """All-gather int8 blocks and their scales in one message per rank; every rank decodes all of them
         (its own piece included, so that every rank computes with the same weights)."""
-        payload = compress(mine, WEIGHT_BITS, WEIGHT_BLOCK)
+        payload = compress(mine, self.weight_bits, self.weight_block)
         arrived = torch.empty(self.world_size * payload.numel(), dtype=torch.uint8, device=buf.device)
         self.comm.all_gather(arrived, payload, kind="params")
-        decoded = decompress(arrived.view(self.world_size, -1), mine.numel(), WEIGHT_BITS, WEIGHT_BLOCK)
+        decoded = decompress(arrived.view(self.world_size, -1), mine.numel(), self.weight_bits, self.weight_block)
         buf.copy_(decoded.reshape(-1))
 
     # -- gradients: qgZ ---------------------------------------------------------------------------------------
@@ -305,10 +329,10 @@ class ZeroPPMixin:
         if comm.world_size == 1:
             return rows[0].float()
         width = rows.shape[-1]
-        payload = compress(rows, GRAD_BITS, GRAD_BLOCK)
+        payload = compress(rows, self.grad_bits, self.grad_block)
         arrived = torch.empty_like(payload)
         comm.all_to_all(arrived.view(-1), payload.reshape(-1), kind="grads")
-        return decompress(arrived, width, GRAD_BITS, GRAD_BLOCK).sum(dim=0)
+        return decompress(arrived, width, self.grad_bits, self.grad_block).sum(dim=0)
 
     # -- step and memory --------------------------------------------------------------------------------------
     def publish(self) -> None:
