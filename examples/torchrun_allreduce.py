@@ -16,7 +16,7 @@ import zeroedu
 
 
 def allreduce(rank: int, world_size: int) -> dict:
-    x = torch.tensor([float(rank + 1)])
+    x = torch.tensor([float(rank + 1)], device="cuda" if dist.get_backend() == "nccl" else "cpu")  # NCCL: GPU only
     dist.all_reduce(x)
     return {"rank": rank, "sum": x.item(), "backend": dist.get_backend()}
 

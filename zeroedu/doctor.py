@@ -403,11 +403,15 @@ def _allreduce_probe(rank: int, world_size: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    # NCCL (launch picks it when every rank has a GPU) reduces CUDA tensors only
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     sums, seconds = [], []
     for _ in range(5):
-        t = torch.full((1024,), float(rank + 1))
+        t = torch.full((1024,), float(rank + 1), device=device)
         t0 = time.perf_counter()
         dist.all_reduce(t)
+        if t.is_cuda:
+            torch.cuda.synchronize()  # NCCL returns before the GPU is done
         seconds.append(time.perf_counter() - t0)
         sums.append(t.tolist())
     rss = 0
