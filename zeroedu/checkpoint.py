@@ -6,8 +6,14 @@ zero at an optimizer-step boundary, which is the only place a checkpoint is take
 1/N shard of the master weights and of every optimizer tensor (Adam's exp_avg and exp_avg_sq), cut exactly
 as stage 1 cuts them: this rank's piece of every padded bucket, back to back. Stage 0 holds everything on
 every rank, and still writes only its 1/N: the write is parallel at every stage and the files have one
-format. Next to the shard go the small things: RNG states, the client's own state, the optimizer's
-hyperparameters, and (rank 0) the module's buffers.
+format. Next to the shard go the small things: RNG states (Python, NumPy, torch, CUDA), the client's own state,
+the optimizer's hyperparameters and step count, and (rank 0) the module's buffers. The loss scaler and the step
+counters are the same on every rank and go in the metadata.
+
+The data position is two things. The step counters (global_step, micro_step) say how many batches the run has
+consumed; zeroedu's course data is a function of the step, so they are enough there. A data loader with a
+position of its own (a sampler's index, an epoch) goes in `client_state`, which each rank saves in its own file
+and gets back from `load_checkpoint`, as in DeepSpeed.
 
     DIR/TAG/metadata.json   stage, world size, dtypes, every parameter's name, shape, bucket and offset,
                             every bucket's padding, the sha256 of every file, counters, loss scaler
@@ -535,14 +541,28 @@ def _read_for_rank(engine, path: str, meta: dict, load_optimizer_states: bool) -
     return out
 
 
-def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True) -> tuple[str, dict]:
+def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+         load_module_only: bool = False) -> tuple[str, dict]:
     """Load a checkpoint saved at any stage on any number of ranks into `engine`; call it on every rank.
 
     Returns `(path, client_state)` like DeepSpeed (client_state: this rank's, or rank 0's if the checkpoint
     had fewer ranks). Restores master weights, optimizer state and hyperparameters (unless
     load_optimizer_states=False), the loss scaler (fp16 to fp16), step counters, the module's buffers, and
     each rank's RNG states when the world size is the one it was saved with.
+
+    DeepSpeed's other switches: `load_module_only=True` loads the weights and buffers only (optimizer state,
+    counters, loss scaler and RNG stay as they are: fine-tuning from a checkpoint); zeroedu has no learning-rate
+    scheduler, so `load_lr_scheduler_states` has nothing to load; `load_module_strict` must stay True (zeroedu
+    loads a checkpoint only into the model it was saved from).
     """
+    if not load_module_strict:
+        raise CheckpointError("load_module_strict=False is not implemented in zeroedu: a checkpoint loads only into "
+                              "the model it was saved from (same parameter names and shapes). Load it into that "
+                              "model, or consolidate it (zeroedu consolidate) and load the state_dict with "
+                              "model.load_state_dict(sd, strict=False).")
+    del load_lr_scheduler_states     # nothing to load: zeroedu has no scheduler ("scheduler" is not a config key)
+    load_optimizer_states = load_optimizer_states and not load_module_only
     error, new, path, meta = None, None, "", {}
     try:
         path = resolve(load_dir, tag)
@@ -555,11 +575,11 @@ def load(engine, load_dir: str, tag: str | None = None, load_optimizer_states: b
     _raise_first(_gather(engine, error), "load_checkpoint")   # all ranks load, or none changes anything
 
     with torch.no_grad():     # copies into parameters: not something autograd should record
-        _apply(engine, new, meta, load_optimizer_states)
+        _apply(engine, new, meta, load_optimizer_states, load_module_only)
     return path, new["client_state"]
 
 
-def _apply(engine, new: dict, meta: dict, load_optimizer_states: bool) -> None:
+def _apply(engine, new: dict, meta: dict, load_optimizer_states: bool, module_only: bool) -> None:
     tensors = new["tensors"]
     state = None
     if load_optimizer_states:
@@ -575,6 +595,8 @@ def _apply(engine, new: dict, meta: dict, load_optimizer_states: bool) -> None:
     current = _extras(engine)
     for k, v in new["extras"].items():
         current[k].copy_(v)
+    if module_only:
+        return
     engine.global_step = meta["global_step"]
     engine.micro_step = meta["global_step"] * engine.accum
     engine.skipped_steps = meta["skipped_steps"]
