@@ -47,6 +47,30 @@ def compare(rank: int, world: int) -> list[tuple]:
             dist.all_gather(parts, piece)
             if not (torch.equal(full_r, torch.cat(parts)) and torch.equal(full_n, full_r)):
                 problems.append(("all_gather", dtype, size))
+    # Coalesced: several tensors of different sizes in one collective give what one collective each gives.
+    for comm in (ring, native):
+        sizes = (3, 1, 8)
+        ins = [torch.randint(-8, 8, (k * world,), generator=torch.Generator().manual_seed(rank * 10 + k)).float()
+               for k in sizes]
+        outs = [torch.empty(k) for k in sizes]
+        before = len(comm.ledger)
+        comm.reduce_scatter_coalesced(outs, [t.clone() for t in ins], average=False)
+        for t, out in zip(ins, outs, strict=True):
+            ref = t.clone()
+            dist.all_reduce(ref)
+            if not torch.equal(out, ref.chunk(world)[rank]):
+                problems.append(("reduce_scatter_coalesced", comm.implementation, out.numel()))
+        gathered = [torch.empty(k * world) for k in sizes]
+        comm.all_gather_coalesced(gathered, outs)
+        for out, full in zip(outs, gathered, strict=True):
+            parts = [torch.empty_like(out) for _ in range(world)]
+            dist.all_gather(parts, out)
+            if not torch.equal(full, torch.cat(parts)):
+                problems.append(("all_gather_coalesced", comm.implementation, out.numel()))
+        entries = comm.ledger[before:]
+        if [(e.op, e.tensor_bytes) for e in entries] != [("reduce_scatter", 4 * world * sum(sizes)),
+                                                          ("all_gather", 4 * world * sum(sizes))]:
+            problems.append(("coalesced ledger", [(e.op, e.tensor_bytes) for e in entries]))
     # Averaging divides by N after the sum.
     t = torch.full((5,), float(rank))
     ring.all_reduce(t, average=True)

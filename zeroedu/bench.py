@@ -12,6 +12,7 @@ Times are wall clock of gloo on this machine's CPU: they say nothing about NCCL 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -57,138 +58,163 @@ def _peer_owned(model, opt):
     }
 
 
-def _bench_rank(rank: int, world: int, d_model: int, layers: int, steps: int, mb: int) -> dict:
+PAIRS = [(0, "ddp", "DDP"), (1, "zero_redundancy", "ZeroRedundancyOptimizer"),
+         (2, "fsdp2_keep", "FSDP2 reshard_after_forward=False"),
+         (3, "fsdp2_reshard", "FSDP2 reshard_after_forward=True")]
+MODEL_STATES = ("parameters", "gradients", "master_weights", "optimizer_state")
+
+
+def zeroedu_config(stage: int, micro_batch: int) -> dict:
+    """The benchmark's zeroedu config: buckets sized to the model (DESIGN.md), fp32 Adam as the peers use."""
+    return {"train_micro_batch_size_per_gpu": micro_batch,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 5_000_000,
+                                  "stage3_param_persistence_threshold": 10_000,
+                                  "stage3_prefetch_bucket_size": 5_000_000}}
+
+
+def _bench_rank(rank: int, world: int, d_model: int, layers: int, rounds: int, warmup: int, mb: int) -> dict:
+    """On every rank: each stage and its peer, one step each in turn (order alternating), same batches."""
     import torch.distributed as dist
 
     import zeroedu
+    from zeroedu import theory
     from zeroedu.memory import PeakTracker, resident
     from zeroedu.models import TinyGPT, gpt_batch, gpt_loss, shard_batch
 
     cfg = _workload(d_model, layers)
+    batches = [shard_batch(*gpt_batch(s, mb * world, cfg), rank, world) for s in range(warmup + rounds + 1)]
     out = {}
+    for stage, peer, _ in PAIRS:
+        engine, *_ = zeroedu.initialize(model=TinyGPT(cfg, seed=0), config=zeroedu_config(stage, mb))
+        model, opt = _peer_model(peer, cfg)
 
-    def timed(step_fn, owned):
-        times = []
-        tracker = None
-        for s in range(steps):
-            x, y = gpt_batch(s, mb * world, cfg)
-            xs, ys = shard_batch(x, y, rank, world)
-            dist.barrier()
-            t0 = time.perf_counter()
-            if s == steps - 1:   # the last step measured for memory, not time
-                tracker = PeakTracker(owned, lambda: "step")
-                with tracker:
-                    step_fn(xs, ys)
-            else:
-                step_fn(xs, ys)
-                times.append(time.perf_counter() - t0)
-        return {"seconds": statistics.median(times[1:]), "peak": tracker.peak_total,
-                "resident": sum(resident(owned()).values())}
+        def z_step(x, y, engine=engine):
+            engine.train_batch((x, y), gpt_loss)
 
-    for stage in range(4):
-        ds = {"train_micro_batch_size_per_gpu": mb, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 5_000_000,
-                                    "stage3_param_persistence_threshold": 10_000,
-                                    "stage3_prefetch_bucket_size": 5_000_000}}
-        engine, *_ = zeroedu.initialize(model=TinyGPT(cfg, seed=0), config=ds)
-
-        def z_step(xs, ys, engine=engine):
-            engine.train_batch((xs, ys), gpt_loss)
-
-        r = timed(z_step, engine.owned)
-        states = ("parameters", "gradients", "master_weights", "optimizer_state")
-        r["resident"] = sum(engine.memory()["resident"].get(c, 0) for c in states)
-        r["sent_per_step"] = engine.ledger.per_step(2)["total"]
-        out[f"zeroedu{stage}"] = r
-        del engine
-
-    for kind in ("ddp", "zero_redundancy", "fsdp2_keep", "fsdp2_reshard"):
-        model, opt = _peer_model(kind, cfg)
-
-        def p_step(xs, ys, model=model, opt=opt):
-            opt.zero_grad(set_to_none=False)
-            gpt_loss(model(xs), ys).backward()
+        def p_step(x, y, model=model, opt=opt):
+            gpt_loss(model(x), y).backward()
             opt.step()
+            opt.zero_grad()   # torch's default (set_to_none=True): the peers' usual, fastest path
 
-        out[kind] = timed(p_step, lambda model=model, opt=opt: _peer_owned(model, opt))
-        del model, opt
+        runs = {"zeroedu": (z_step, engine.owned),
+                "peer": (p_step, lambda model=model, opt=opt: _peer_owned(model, opt))}
+        times: dict[str, list[float]] = {"zeroedu": [], "peer": []}
+        for r in range(warmup + rounds):
+            for who in (("zeroedu", "peer") if r % 2 == 0 else ("peer", "zeroedu")):
+                dist.barrier()
+                t0 = time.perf_counter()
+                runs[who][0](*batches[r])
+                if r >= warmup:
+                    times[who].append(time.perf_counter() - t0)
+        row = {"times": times}
+        for who, (step, owned) in runs.items():   # one more step each, under the memory tracker (not timed)
+            dist.barrier()
+            with PeakTracker(owned, lambda: "step") as tracker:
+                step(*batches[-1])
+            row[f"{who}_peak"] = tracker.peak_total
+            row[f"{who}_states"] = sum(resident({c: owned().get(c, []) for c in MODEL_STATES}).values())
+        persistent = [b.padded for b in engine.layout.buckets if b.index in getattr(engine, "persistent", ())]
+        th = theory.model_state_bytes(engine.layout.numel, world, stage, "fp32", layout=[b.numel for b in
+                                                                                      engine.layout.buckets])
+        # Stage 3 also keeps units below stage3_param_persistence_threshold whole on every rank, by design.
+        row["theory_states"] = th["total"] + 4 * sum(persistent)
+        row["sent_per_step"] = engine.ledger.per_step(warmup)["total"]
+        out[stage] = row
+        del engine, model, opt, runs
     return out
 
 
-PAIRS = [(0, "ddp", "DDP"), (1, "zero_redundancy", "ZeroRedundancyOptimizer"),
-         (2, "fsdp2_keep", "FSDP2 reshard_after_forward=False"),
-         (3, "fsdp2_reshard", "FSDP2 reshard_after_forward=True")]
-
-
-def run(world_size: int = 2, d_model: int = 256, layers: int = 4, steps: int = 8, micro_batch: int = 4) -> list[dict]:
+def run(world_size: int = 2, d_model: int = 256, layers: int = 4, rounds: int = 10, warmup: int = 2,
+        micro_batch: int = 4) -> list[dict]:
+    """Rows of the benchmark table. Per round, a step takes as long as its slowest rank; the ratio is the
+    median over rounds of zeroedu's step time over the peer's in the same round (quartiles show the spread)."""
     import zeroedu
 
-    results = zeroedu.launch(_bench_rank, world_size=world_size, args=(d_model, layers, steps, micro_batch),
-                             timeout=1800, hang_timeout=300)
+    results = zeroedu.launch(_bench_rank, world_size=world_size,
+                             args=(d_model, layers, rounds, warmup, micro_batch), timeout=3600, hang_timeout=600)
     rows = []
-    for stage, peer, label in PAIRS:
-        z = [r[f"zeroedu{stage}"] for r in results]
-        p = [r[peer] for r in results]
-        zt = max(x["seconds"] for x in z)   # a step is as slow as its slowest rank
-        pt = max(x["seconds"] for x in p)
-        rows.append({"stage": stage, "peer": label, "zeroedu_ms": 1e3 * zt, "peer_ms": 1e3 * pt,
-                     "ratio": zt / pt, "zeroedu_peak": max(x["peak"] for x in z),
-                     "peer_peak": max(x["peak"] for x in p), "zeroedu_resident": z[0]["resident"],
-                     "peer_resident": p[0]["resident"], "sent_per_step": z[0]["sent_per_step"]})
+    for stage, _, label in PAIRS:
+        rs = [r[stage] for r in results]
+        z = [max(t) for t in zip(*(r["times"]["zeroedu"] for r in rs), strict=True)]
+        p = [max(t) for t in zip(*(r["times"]["peer"] for r in rs), strict=True)]
+        ratios = sorted(a / b for a, b in zip(z, p, strict=True))
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+        rows.append({"stage": stage, "peer": label, "zeroedu_ms": 1e3 * statistics.median(z),
+                     "peer_ms": 1e3 * statistics.median(p), "ratio": statistics.median(ratios),
+                     "ratio_q1": q1, "ratio_q3": q3, "rounds": len(ratios),
+                     "zeroedu_peak": max(r["zeroedu_peak"] for r in rs), "peer_peak": max(r["peer_peak"] for r in rs),
+                     "zeroedu_states": rs[0]["zeroedu_states"], "theory_states": rs[0]["theory_states"],
+                     "peer_states": rs[0]["peer_states"], "sent_per_step": rs[0]["sent_per_step"]})
     return rows
 
 
 def format_rows(rows: list[dict], world_size: int, d_model: int, layers: int) -> str:
     mib = 1 << 20
-    lines = [f"TinyGPT d_model={d_model} layers={layers}, fp32 Adam, {world_size} gloo ranks on CPU",
-             "| stage | peer | zeroedu ms | peer ms | ratio | zeroedu peak MiB | peer peak MiB | "
-             "zeroedu model states MiB | peer states MiB | ledger MiB sent/step |",
+    lines = [f"TinyGPT d_model={d_model} layers={layers}, fp32 Adam, {world_size} gloo ranks on CPU, "
+             f"{rows[0]['rounds']} rounds",
+             "| stage | peer | zeroedu ms | peer ms | ratio (quartiles) | zeroedu peak MiB | peer peak MiB | "
+             "zeroedu model states MiB (theory) | peer states MiB | ledger MiB sent/step |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        at = "=" if r["zeroedu_states"] == r["theory_states"] else "!="
         lines.append(f"| {r['stage']} | {r['peer']} | {r['zeroedu_ms']:.1f} | {r['peer_ms']:.1f} | "
-                     f"{r['ratio']:.2f}x | {r['zeroedu_peak'] / mib:.1f} | {r['peer_peak'] / mib:.1f} | "
-                     f"{r['zeroedu_resident'] / mib:.2f} | {r['peer_resident'] / mib:.2f} | "
+                     f"{r['ratio']:.2f}x ({r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}) | {r['zeroedu_peak'] / mib:.1f} | "
+                     f"{r['peer_peak'] / mib:.1f} | {r['zeroedu_states'] / mib:.2f} {at} "
+                     f"{r['theory_states'] / mib:.2f} | {r['peer_states'] / mib:.2f} | "
                      f"{r['sent_per_step'] / mib:.2f} |")
     return "\n".join(lines)
 
 
-def _collective_rank(rank: int, world: int, numel: int, repeats: int) -> dict:
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def _collective_rank(rank: int, world: int, sizes: list[int], repeats: int) -> dict:
+    """Per size and op, each repeat runs the ring then gloo's own (alternating which goes first)."""
     import torch.distributed as dist
 
     from zeroedu.comm import Comm
 
+    comms = {impl: Comm(implementation=impl) for impl in ("ring", "native")}
     out = {}
-    for impl in ("ring", "native"):
-        comm = Comm(implementation=impl)
+    for numel in sizes:
         x = torch.ones(numel)
         piece = torch.ones(numel // world)
-        for op in ("all_reduce", "reduce_scatter", "all_gather"):
-            times = []
-            for _ in range(repeats):
-                dist.barrier()
-                t0 = time.perf_counter()
-                if op == "all_reduce":
-                    comm.all_reduce(x)
-                elif op == "reduce_scatter":
-                    comm.reduce_scatter(piece, x)
-                else:
-                    comm.all_gather(x, piece)
-                times.append(time.perf_counter() - t0)
-            out[(impl, op)] = statistics.median(times)
+        for op in OPS:
+            times: dict[str, list[float]] = {"ring": [], "native": []}
+            for r in range(repeats + 1):   # the first repeat warms up
+                for impl in (("ring", "native") if r % 2 else ("native", "ring")):
+                    comm = comms[impl]
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    if op == "all_reduce":
+                        comm.all_reduce(x)
+                    elif op == "reduce_scatter":
+                        comm.reduce_scatter(piece, x)
+                    else:
+                        comm.all_gather(x, piece)
+                    if r:
+                        times[impl].append(time.perf_counter() - t0)
+            out[numel, op] = times
     return out
 
 
-def collectives(world_size: int = 4, mib: int = 64, repeats: int = 5) -> str:
+def collectives(world_size: int = 4, sizes_kib: tuple[float, ...] = (64 * 1024,), repeats: int = 5) -> str:
+    """Ring vs gloo, per op and tensor size: the measurement behind comm.AUTO_ON_GLOO."""
     import zeroedu
 
-    numel = (mib << 20) // 4 // world_size * world_size
-    r = zeroedu.launch(_collective_rank, world_size=world_size, args=(numel, repeats), timeout=900)
-    lines = [f"{mib} MiB fp32 tensor, {world_size} gloo ranks, median of {repeats} (wall time on this CPU)",
-             "| op | zeroedu ring ms | gloo ms | ring / gloo |", "|---|---|---|---|"]
-    for op in ("all_reduce", "reduce_scatter", "all_gather"):
-        ring = max(x[("ring", op)] for x in r)
-        nat = max(x[("native", op)] for x in r)
-        lines.append(f"| {op} | {1e3 * ring:.1f} | {1e3 * nat:.1f} | {ring / nat:.2f}x |")
+    sizes = [max(world_size, int(kib * 1024) // 4 // world_size * world_size) for kib in sizes_kib]
+    r = zeroedu.launch(_collective_rank, world_size=world_size, args=(sizes, repeats), timeout=1800)
+    lines = [f"fp32 tensors, {world_size} gloo ranks, median of {repeats} repeats, ring and gloo alternating "
+             "(wall time on this CPU; a collective takes as long as its slowest rank)",
+             "| op | tensor KiB | zeroedu ring ms | gloo ms | ring / gloo |", "|---|---|---|---|---|"]
+    for op in OPS:
+        for numel in sizes:
+            ring = [max(t) for t in zip(*(x[numel, op]["ring"] for x in r), strict=True)]
+            nat = [max(t) for t in zip(*(x[numel, op]["native"] for x in r), strict=True)]
+            ratio = statistics.median(a / b for a, b in zip(ring, nat, strict=True))
+            lines.append(f"| {op} | {numel * 4 / 1024:g} | {1e3 * statistics.median(ring):.2f} | "
+                         f"{1e3 * statistics.median(nat):.2f} | {ratio:.2f}x |")
     return "\n".join(lines)
 
 
@@ -197,17 +223,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world-size", type=int, default=2, choices=[1, 2, 4])
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=10, help="timed steps of each contender (after warm-up)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each contender first")
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--collectives", action="store_true", help="time ring vs gloo collectives instead")
-    ap.add_argument("--mib", type=int, default=64, help="tensor size for --collectives")
+    ap.add_argument("--kib", type=float, nargs="+", default=[64 * 1024], help="tensor sizes for --collectives")
+    ap.add_argument("--repeats", type=int, default=5, help="repeats per size for --collectives")
     ap.add_argument("--offload", action="store_true", help="add offload rows against FSDP2 CPUOffloadPolicy")
     a = ap.parse_args(argv)
     if a.collectives:
-        print(collectives(a.world_size, a.mib))
+        print(collectives(a.world_size, tuple(a.kib), a.repeats))
         return 0
-    rows = run(a.world_size, a.d_model, a.layers, a.steps, a.micro_batch)
+    load = os.getloadavg()[0]
+    rows = run(a.world_size, a.d_model, a.layers, a.rounds, a.warmup, a.micro_batch)
     print(format_rows(rows, a.world_size, a.d_model, a.layers))
+    print(f"\nload average (1 min) before: {load:.2f}, after: {os.getloadavg()[0]:.2f}, on {os.cpu_count()} cores")
     if a.offload:
         from zeroedu.offload import bench_offload
 

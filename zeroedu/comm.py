@@ -99,10 +99,14 @@ class _Worker:
 
     def __init__(self) -> None:
         self.jobs: queue.Queue = queue.Queue()
+        # The CUDA device is per thread: the comm thread works on the device of the thread that started it.
+        self.cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self.thread = threading.Thread(target=self._run, name="zeroedu-comm", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
+        if self.cuda_device is not None:
+            torch.cuda.set_device(self.cuda_device)
         while True:
             fn, handle = self.jobs.get()
             try:
@@ -216,6 +220,43 @@ class Comm:
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, kind: str = "grads",
                    async_op: bool = False) -> Handle | None:
         return self._run("all_to_all", out, inp, kind, async_op)
+
+    # Coalesced versions: several tensors in one collective, as DeepSpeed's all_gather_coalesced and FSDP2's
+    # per-group collectives do. Each rank's parts are packed rank by rank into one flat tensor, so the single
+    # collective gives every rank exactly what one collective per tensor would have; the ledger gets one entry
+    # with the same bytes as the separate ones. One message per ring step instead of one per tensor is what
+    # makes many small gathers cheap where each collective costs a fixed latency.
+    def all_gather_coalesced(self, outs: list[torch.Tensor], ins: list[torch.Tensor], kind: str = "params") -> None:
+        """outs[i] (contiguous, N x ins[i].numel()) gets every rank's ins[i], rank by rank."""
+        if len(ins) == 1:
+            self.all_gather(outs[0], ins[0], kind)
+            return
+        n = self.world_size
+        mine = torch.cat([t.reshape(-1) for t in ins])
+        rows = torch.empty(n, mine.numel(), dtype=mine.dtype, device=mine.device)
+        self.all_gather(rows.view(-1), mine, kind)
+        start = 0
+        for out, t in zip(outs, ins, strict=True):
+            out.view(n, t.numel()).copy_(rows[:, start: start + t.numel()])
+            start += t.numel()
+
+    def reduce_scatter_coalesced(self, outs: list[torch.Tensor], ins: list[torch.Tensor], average: bool = True,
+                                 kind: str = "grads") -> None:
+        """outs[i] gets this rank's 1/N piece of the sum (or average) over ranks of ins[i]."""
+        if len(ins) == 1:
+            self.reduce_scatter(outs[0], ins[0], average, kind)
+            return
+        n = self.world_size
+        width = sum(out.numel() for out in outs)
+        packed = torch.empty(n, width, dtype=ins[0].dtype, device=ins[0].device)
+        start = 0
+        for out, t in zip(outs, ins, strict=True):
+            packed[:, start: start + out.numel()].copy_(t.view(n, out.numel()))
+            start += out.numel()
+        mine = torch.empty(width, dtype=packed.dtype, device=packed.device)
+        self.reduce_scatter(mine, packed.view(-1), average, kind)
+        for out, part in zip(outs, mine.split([out.numel() for out in outs]), strict=True):
+            out.view(-1).copy_(part)
 
     def run_async(self, fn: Callable[[], None]) -> Handle:
         """Run a closure (collectives plus the work that belongs with them) on the comm thread."""

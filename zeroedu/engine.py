@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from zeroedu.comm import Comm, LedgerEntry
 from zeroedu.config import Config, load_config
@@ -41,6 +42,13 @@ def initialize(model: torch.nn.Module, config=None, model_parameters=None, **_ig
         init_distributed()
     engine = engine_class(cfg)(model, cfg)
     return engine, engine.optimizer, None, None
+
+
+def compute_device(model: torch.nn.Module, backend: str) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def make_optimizer(cfg: Config, params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -75,7 +83,11 @@ class Engine:
         self._tracker: PeakTracker | None = None
         self._handles: list = []
 
-        model.to(self.dtype)
+        # Where the model computes: the rank's GPU under NCCL (zeroedu.launch and torchrun set the current
+        # device), else where its parameters already are (the CPU under gloo). Every buffer a stage makes
+        # (gradient shards, bucket buffers, unit buffers, master pieces) is made on this device.
+        self.device = compute_device(model, self.comm.backend)
+        model.to(device=self.device, dtype=self.dtype)
         # Parameters that train, each once (a tied weight is one Parameter in two modules).
         self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
         self.names = {p: n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
@@ -131,8 +143,14 @@ class Engine:
         self.timeline.append((name, t0, time.time()))
 
     def forward(self, *args, **kwargs):
+        if self.device.type != "cpu":   # inputs follow the model to its GPU, as DDP's do
+            args, kwargs = self.to_device((args, kwargs))
         with self._phase("forward"):
             return self.module(*args, **kwargs)
+
+    def to_device(self, data):
+        """Every tensor in `data` (nested lists, tuples, dicts) moved to the engine's device."""
+        return tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, data)
 
     __call__ = forward
 
@@ -191,7 +209,7 @@ class Engine:
 
     def train_batch(self, batch, loss_fn) -> float:
         """One micro-step: forward, loss, backward, step. Returns the loss as a float."""
-        x, y = batch
+        x, y = self.to_device(batch) if self.device.type != "cpu" else batch
         loss = loss_fn(self(x), y)
         self.backward(loss)
         self.step()
@@ -219,8 +237,8 @@ class Engine:
     def track_memory(self):
         """Measure live bytes by category over the enclosed step; the result is `engine.memory()["peak"]`."""
         tracker = PeakTracker(self.owned, lambda: self.comm.phase)
-        if torch.cuda.is_available() and self.params and self.params[0].is_cuda:
-            torch.cuda.reset_peak_memory_stats()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         with tracker:
             yield tracker
         self.last_peak = tracker
@@ -239,11 +257,11 @@ class Engine:
             "peak": dict(self.last_peak.peak) if self.last_peak else None,
             "peak_total": self.last_peak.peak_total if self.last_peak else None,
             "peak_phase": self.last_peak.peak_phase if self.last_peak else None,
-            "device": "cpu" if not (self.params and self.params[0].is_cuda) else "cuda",
+            "device": self.device.type,
         }
-        if report["device"] == "cuda":
-            report["cuda_allocated"] = torch.cuda.memory_allocated()
-            report["cuda_peak"] = torch.cuda.max_memory_allocated()
+        if self.device.type == "cuda":   # the allocator's own figures, next to the tensor-by-tensor ones
+            report["cuda_allocated"] = torch.cuda.memory_allocated(self.device)
+            report["cuda_peak"] = torch.cuda.max_memory_allocated(self.device)
         return report
 
     # -- full weights (tests, checkpoints, notebooks) ------------------------------------------------------
@@ -252,10 +270,10 @@ class Engine:
         raise NotImplementedError
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
-        """{parameter name: fp32 tensor}, the whole model, gathered if it is sharded."""
+        """{parameter name: fp32 CPU tensor}, the whole model, gathered if it is sharded."""
         full = self.master_full()
-        return {self.names[p]: v.clone() for p, v in zip(self.layout.params, self.layout.param_views(full),
-                                                             strict=True)}
+        return {self.names[p]: v.to("cpu", copy=True) for p, v in zip(self.layout.params,
+                                                                       self.layout.param_views(full), strict=True)}
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, **kwargs) -> str:
         """Sharded, atomic save (zeroedu.checkpoint.save): client_state=, save_latest=."""

@@ -37,7 +37,7 @@ class Stage1(Stage0):
         super().before_backward()
         # The reduced gradient of this rank's pieces exists only from the last backward to the step.
         if self.reduces_this_micro_step():
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype)
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
 
     def reduce_bucket(self, b: Bucket) -> None:
         grads = self.layout.bucket_view(self.flat_grads, b)
@@ -66,7 +66,7 @@ class Stage1(Stage0):
         return {**super().owned(), "gradients": [self.flat_grads, self.grad_shard]}
 
     def master_full(self) -> torch.Tensor:
-        full = torch.zeros(self.layout.full_numel, dtype=torch.float32)
+        full = torch.zeros(self.layout.full_numel, dtype=torch.float32, device=self.device)
         for b, master in zip(self.layout.buckets, self.master_pieces, strict=True):
             self.comm.all_gather(self.layout.bucket_view(full, b), master.data.float(), kind="other")
         return full

@@ -21,9 +21,9 @@ class Stage2(Stage1):
 
     def setup_gradients(self) -> None:
         self.flat_grads = None
-        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype)
-        biggest = max(b.padded for b in self.layout.buckets)
-        self.bucket_buffers = [torch.empty(biggest, dtype=self.dtype) for _ in range(2)]
+        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        self.bucket_buffers = [torch.empty(self.bucket_buffer_numel(), dtype=self.dtype, device=self.device)
+                               for _ in range(2)]
         self._buffer_jobs: list = [None, None]
         self._next_buffer = 0
 
@@ -33,17 +33,26 @@ class Stage2(Stage1):
     def before_backward(self) -> None:
         super(Stage1, self).before_backward()   # the gradient shard persists; nothing to allocate
 
-    def take_bucket_buffer(self, b: Bucket) -> torch.Tensor:
-        """The next free bucket buffer (waiting for its previous reduce-scatter if needed)."""
+    def bucket_buffer_numel(self) -> int:
+        return max(b.padded for b in self.layout.buckets)
+
+    def take_bucket_buffer(self, b: Bucket | None = None) -> torch.Tensor:
+        """The next free bucket buffer (waiting for its previous reduce-scatter if needed), cut to b's size."""
         i = self._next_buffer
         self._next_buffer = 1 - i
         if self._buffer_jobs[i] is not None:
             self._buffer_jobs[i].wait()
-        return self.bucket_buffers[i][: b.padded]
+        buf = self.bucket_buffers[i]
+        return buf if b is None else buf[: b.padded]
 
     def reduce_bucket(self, b: Bucket) -> None:
         i = self._next_buffer
         buf = self.take_bucket_buffer(b)
+        self.move_grads(b, buf)
+        self.reduce_to_shard([b], [buf], i)
+
+    def move_grads(self, b: Bucket, buf: torch.Tensor) -> None:
+        """Copy bucket b's gradients into buf (zeros for a parameter that got none, and in the padding)."""
         for p, view in zip(b.params, self.layout.param_views_of_bucket(buf, b), strict=True):
             if p.grad is None:
                 view.zero_()
@@ -51,12 +60,16 @@ class Stage2(Stage1):
                 view.copy_(p.grad)
                 p.grad = None          # the full-size gradient is freed here
         buf[b.numel:].zero_()
-        out = self.grad_out(b)
+
+    def reduce_to_shard(self, buckets: list[Bucket], bufs: list[torch.Tensor], i: int) -> None:
+        """Reduce-scatter the filled bucket buffer(s) (one collective) into this rank's gradient shard."""
+        outs = [self.grad_out(b) for b in buckets]
 
         def job() -> None:
-            reduced = torch.empty_like(out)
-            self.comm.reduce_scatter(reduced, buf, average=True, kind="grads")
-            out.add_(reduced)          # micro-steps accumulate in the shard
+            reduced = [torch.empty_like(out) for out in outs]
+            self.comm.reduce_scatter_coalesced(reduced, bufs, average=True, kind="grads")
+            for out, r in zip(outs, reduced, strict=True):
+                out.add_(r)            # micro-steps accumulate in the shard
 
         if self.overlap:
             self._buffer_jobs[i] = self.comm.run_async(job)

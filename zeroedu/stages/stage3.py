@@ -14,6 +14,10 @@ The first forward records the order in which modules run. From then on:
   (backward prefetches in reverse order);
 - units smaller than `stage3_param_persistence_threshold` elements are never released: they are too small
   for a gather to pay off. They are all-gathered once after each optimizer step.
+
+Units are small (one module's own parameters), and every collective costs a fixed latency however small its
+tensor. So, as in DeepSpeed, the units that start gathering together travel in one coalesced all-gather, and
+gradients wait in a bucket until `reduce_bucket_size` elements are ready for one reduce-scatter.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from zeroedu.stages.stage2 import Stage2
 
 class Stage3(Stage2):
     stage = 3
+    coalesce = True   # False: one collective per unit (engine_class, for ZeRO++ which moves units one by one)
 
     def setup(self) -> None:
         zc = self.config.zero_optimization
@@ -61,6 +66,7 @@ class Stage3(Stage2):
         del full
 
         self._waiting, self._reduced = {}, set()
+        self._pending: list[tuple[Bucket, torch.Tensor]] = []   # units whose gradients wait in the bucket
         self.setup_gradients()
         if self.dtype == torch.float32:   # the fp32 parameter shard is the master
             self.master_shard = None
@@ -87,7 +93,7 @@ class Stage3(Stage2):
     # in backward. The parameters themselves point at an empty tensor while released.
     def _buffer(self, b: Bucket) -> torch.Tensor:
         if b.index not in self.unit_buffers:
-            self.unit_buffers[b.index] = torch.empty(b.padded, dtype=self.dtype, device=self.param_shard.device)
+            self.unit_buffers[b.index] = torch.empty(b.padded, dtype=self.dtype, device=self.device)
         buf = self.unit_buffers[b.index]
         nbytes = b.padded * buf.element_size()
         if buf.untyped_storage().nbytes() != nbytes:
@@ -102,7 +108,7 @@ class Stage3(Stage2):
     def _detach(self, b: Bucket) -> None:
         self.gathered.pop(b.index, None)
         for p in b.params:
-            p.data = torch.empty(0, dtype=self.dtype, device=self.param_shard.device)
+            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
         if b.index in self.unit_buffers:
             self.unit_buffers[b.index].untyped_storage().resize_(0)
 
@@ -116,12 +122,24 @@ class Stage3(Stage2):
         offload_param brings it from the host or NVMe here)."""
         return self.layout.piece_of_shard(self.param_shard, b)
 
+    def start_gathers(self, units: list[Bucket]) -> None:
+        """Start gathering these units: one coalesced all-gather for all of them."""
+        if not self.coalesce or len(units) == 1:
+            for b in units:
+                self._start_gather(b)
+            return
+        bufs = [self._buffer(b) for b in units]
+        job = lambda: self.comm.all_gather_coalesced(bufs, [self.param_piece(b) for b in units])  # noqa: E731
+        handle = self.comm.run_async(job)
+        for b, buf in zip(units, bufs, strict=True):
+            self.inflight[b.index] = (handle, buf)
+
     def fetch(self, u: int) -> None:
         """Make unit u whole, now (waiting for its prefetch if one is on the way)."""
         if u in self.gathered:
             return
         if u not in self.inflight:
-            self._start_gather(self.layout.buckets[u])
+            self.start_gathers([self.layout.buckets[u]])
         handle, buf = self.inflight.pop(u)
         handle.wait()
         self._attach(self.layout.buckets[u], buf)
@@ -138,16 +156,17 @@ class Stage3(Stage2):
         """Start gathering the units of the next module calls in the recorded order, within the budgets."""
         if not self._trace_ok:
             return
-        budget = self.prefetch_numel
-        for j in calls:
-            for u in self.units_of[self._trace[j]]:
-                if u in self.gathered or u in self.inflight or u in self._reduced:
-                    continue
-                n = self.layout.buckets[u].padded
-                if n > budget or self.live_numel() + n > self.max_live:
-                    return
-                budget -= n
-                self._start_gather(self.layout.buckets[u])
+        budget, live, start = self.prefetch_numel, self.live_numel(), []
+        for u in dict.fromkeys(u for j in calls for u in self.units_of[self._trace[j]]):
+            if u in self.gathered or u in self.inflight or u in self._reduced:
+                continue
+            n = self.layout.buckets[u].padded
+            if n > budget or live + n > self.max_live:
+                break
+            budget, live = budget - n, live + n
+            start.append(self.layout.buckets[u])
+        if start:
+            self.start_gathers(start)
 
     # -- forward hooks ----------------------------------------------------------------------------------
     def _pre_forward(self, m: torch.nn.Module, args) -> None:
@@ -191,12 +210,39 @@ class Stage3(Stage2):
         self.prefetch(range(i - 1, -1, -1))
 
     # -- backward: reduce as at stage 2, then release -----------------------------------------------------
+    def bucket_buffer_numel(self) -> int:
+        biggest = super().bucket_buffer_numel()
+        if not self.coalesce:
+            return biggest
+        return max(biggest, min(self.config.zero_optimization.reduce_bucket_size, self.layout.full_numel))
+
     def reduce_bucket(self, b: Bucket) -> None:
-        super().reduce_bucket(b)
+        """Unit b's gradients are complete: into the bucket with them, and release the unit."""
+        if not self.coalesce:
+            super().reduce_bucket(b)
+        else:
+            filled = sum(x.padded for x, _ in self._pending)
+            if self._pending and filled + b.padded > len(self._bucket):
+                self.flush_gradients()
+                filled = 0
+            if not self._pending:
+                self._bucket_index = self._next_buffer
+                self._bucket = self.take_bucket_buffer()
+            buf = self._bucket[filled: filled + b.padded]
+            self.move_grads(b, buf)
+            self._pending.append((b, buf))
         self.release(b.index)
+
+    def flush_gradients(self) -> None:
+        """Reduce-scatter the units waiting in the bucket, in one collective."""
+        if self._pending:
+            units, bufs = zip(*self._pending, strict=True)
+            self.reduce_to_shard(list(units), list(bufs), self._bucket_index)
+            self._pending = []
 
     def after_backward(self) -> None:
         super().after_backward()
+        self.flush_gradients()
         for u in list(self.inflight):       # a prefetch nobody used
             self.fetch(u)
         for u in list(self.gathered):
@@ -208,8 +254,11 @@ class Stage3(Stage2):
             mine = self.layout.piece_of_shard(self.param_shard, b)
             if master.data_ptr() != mine.data_ptr():
                 mine.copy_(master)
-            if b.index in self.persistent:
-                self.comm.all_gather(self.gathered[b.index], mine, kind="params")
+        # The units kept whole get their new values, in one collective (one each without coalescing).
+        kept = [b for b in self.layout.buckets if b.index in self.persistent]
+        for group in ([kept] if self.coalesce and kept else [[b] for b in kept]):
+            self.comm.all_gather_coalesced([self.gathered[b.index] for b in group],
+                                           [self.layout.piece_of_shard(self.param_shard, b) for b in group])
 
     def owned(self) -> dict[str, list[torch.Tensor]]:
         base = super().owned()
