@@ -339,18 +339,19 @@ def offload_transfer_bytes_per_step(psi: int, world_size: int, stage: int, preci
                                     offload_optimizer: str = "cpu", offload_param: str = "none",
                                     grad_accum: int = 1, layout: Sequence[int] | None = None,
                                     optimizer: str = "adam", momentum: float = 0.0,
-                                    separate_fp32_master: bool = False) -> dict[str, int]:
+                                    separate_fp32_master: bool = False, hpz: bool = False) -> dict[str, int]:
     """Bytes one rank moves between tiers in one optimizer step, keyed "source_to_destination/what", plus
     "host_device" (PCIe total), "nvme" (NVMe total) and "total". Shards are P/N elements.
 
     Assumptions:
     - Optimizer offload: the reduced gradient shard goes device->host in the compute dtype (p P/N), once a
       step at stage 1 (reduced at the boundary) and every micro-step at stages 2-3 (reduced every micro-step,
-      accumulated on the host in fp32). After the step the updated parameter shard comes back host->device in
+      accumulated on the host). After the step the updated parameter shard comes back host->device in
       the compute dtype (p P/N) -- unless the parameters themselves live off the device.
     - Parameter offload (stage 3): before each of its all-gathers a unit's shard is copied host->device, so
-      2 p P/N per micro-step (forward and backward); with the optimizer on the device the updated shard goes
-      device->host once a step. Persistent (small, never released) units are ignored.
+      2 p P/N per micro-step (forward and backward); with `hpz` (ZeRO++'s secondary copy on the device) the
+      backward gathers read that copy and only the forward's p P/N crosses. With the optimizer on the device
+      the updated shard goes device->host once a step. Persistent (small, never released) units are ignored.
     - NVMe: the optimizer reads and writes its master shard and state once a step ((m + o) P/N each way,
       with m = 4 unless fp32 parameters on NVMe are the masters and not `separate_fp32_master`); NVMe
       parameters are read into the host before every gather (2 p P/N per micro-step) and written back once a
@@ -359,7 +360,7 @@ def offload_transfer_bytes_per_step(psi: int, world_size: int, stage: int, preci
     _check_offload(stage, offload_optimizer, offload_param)
     shard = layout_numel(_layout(psi, layout), world_size) // world_size
     p, o = param_bytes(precision), optimizer_state_bytes(optimizer, momentum)
-    fetches = 2 * grad_accum * p * shard
+    fetches = (1 if hpz else 2) * grad_accum * p * shard
     out: dict[str, int] = {}
     if offload_optimizer != "none":
         out["device_to_host/gradients"] = p * shard * (grad_accum if stage >= 2 else 1)
@@ -378,6 +379,32 @@ def offload_transfer_bytes_per_step(psi: int, world_size: int, stage: int, preci
     out["host_device"] = sum(v for k, v in out.items() if "device" in k)
     out["nvme"] = sum(v for k, v in out.items() if "nvme" in k)
     out["total"] = out["host_device"] + out["nvme"]
+    return out
+
+
+def offload_nvme_buffer_bytes(layout: Sequence[int], world_size: int, precision: str = "bf16",
+                              offload_optimizer: str = "nvme", offload_param: str = "none",
+                              optimizer_buffer_count: int = 4, param_buffer_count: int = 5, optimizer: str = "adam",
+                              momentum: float = 0.0) -> dict[str, int]:
+    """Host bytes per rank of the buffers NVMe offload reads and writes through, which offload_bytes leaves out.
+
+    NVMe is read and written one sub-group at a time: here one bucket's piece (stage 3: one unit's piece), so the
+    largest piece m = max over `layout` of padded size / N elements sets the size of every buffer:
+    - offload_optimizer "nvme": `optimizer_buffer_count` sub-groups in flight, each its fp32 master and optimizer
+      state: count x (4 + o) x m ("master_weights" and "optimizer_state");
+    - offload_param "nvme": `param_buffer_count` pieces in the compute dtype: count x p x m ("parameters").
+    Neither grows with Psi for a fixed bucket size: what grows is the files on NVMe.
+    """
+    _check_world(world_size)
+    m = max(padded_numel(k, world_size) for k in layout) // world_size
+    o = optimizer_state_bytes(optimizer, momentum)
+    out = {"parameters": 0, "master_weights": 0, "optimizer_state": 0}
+    if offload_optimizer == "nvme":
+        out["master_weights"] = optimizer_buffer_count * 4 * m
+        out["optimizer_state"] = optimizer_buffer_count * o * m
+    if offload_param == "nvme":
+        out["parameters"] = param_buffer_count * param_bytes(precision) * m
+    out["total"] = sum(out.values())
     return out
 
 
@@ -511,7 +538,8 @@ __all__ = [
     "ZEROPP_BLOCK_SIZE", "ZEROPP_GRAD_BITS", "ZEROPP_SCALE_BYTES", "ZEROPP_WEIGHT_BITS",
     "collective_time", "comm_bytes_per_step", "comm_volume_paper", "fit_alpha_beta", "layout_numel",
     "master_bytes", "model_state_bytes", "model_state_bytes_paper", "model_state_bytes_paper_parts", "offload_bytes",
-    "offload_transfer_bytes_per_step", "optimizer_K", "optimizer_state_bytes", "padded_numel", "param_bytes",
+    "offload_nvme_buffer_bytes", "offload_transfer_bytes_per_step", "optimizer_K", "optimizer_state_bytes",
+    "padded_numel", "param_bytes",
     "quantized_bytes", "ring_sent_bytes", "ring_steps", "zeropp_comm_bytes", "zeropp_cross_node_ratio",
     "zeropp_volume_paper",
 ]
