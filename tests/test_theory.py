@@ -229,6 +229,19 @@ def test_offload_transfers_by_hand():
     tp = theory.offload_transfer_bytes_per_step(1000, 4, 3, "bf16", "none", "cpu")
     assert tp == {"host_to_device/parameters": 1000, "device_to_host/parameters": 500, "host_device": 1500,
                   "nvme": 0, "total": 1500}
+    # hpZ: the backward gathers read the secondary copy on the device, so only the forward's shard crosses
+    th = theory.offload_transfer_bytes_per_step(1000, 4, 3, "bf16", "cpu", "cpu", grad_accum=2, hpz=True)
+    assert th["host_to_device/parameters"] == 1000 and th["device_to_host/gradients"] == 1000
+
+
+def test_offload_nvme_buffers_by_hand():
+    # Buckets of 10 and 6 elements on N = 4: pieces of 3 (10 pads to 12) and 2; every buffer holds the largest.
+    b = theory.offload_nvme_buffer_bytes([10, 6], 4, "bf16", "nvme", "nvme", optimizer_buffer_count=2,
+                                         param_buffer_count=5)
+    assert b == {"parameters": 5 * 2 * 3, "master_weights": 2 * 4 * 3, "optimizer_state": 2 * 8 * 3, "total": 102}
+    # Psi does not enter: a model with twice the buckets of the same size needs the same buffers.
+    assert theory.offload_nvme_buffer_bytes([10, 6] * 2, 4, "bf16", "nvme", "nvme", 2, 5) == b
+    assert theory.offload_nvme_buffer_bytes([10, 6], 4, "bf16", "cpu", "cpu")["total"] == 0
 
 
 # -- ZeRO++ -------------------------------------------------------------------------------------------------

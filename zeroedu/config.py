@@ -78,7 +78,12 @@ class BF16Config:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """`offload_optimizer` / `offload_param`: where a tier lives. Parsed here, used by zeroedu.offload."""
+    """`offload_optimizer` / `offload_param`: where a tier lives. Parsed here, used by zeroedu.offload.
+
+    buffer_count: host buffers for NVMe, each the size of the largest sub-group piece: sub-groups of optimizer
+    state in flight (offload_optimizer, DeepSpeed's default 4), parameter pieces on their way between NVMe and the
+    device (offload_param, default 5). pin_memory: page-locked host buffers (used only when the device is a GPU).
+    """
 
     device: str = "none"
     pin_memory: bool = False
@@ -97,7 +102,7 @@ class ZeroConfig:
     stage3_param_persistence_threshold: int = 100_000
     stage3_max_live_parameters: int = 1_000_000_000
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
-    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    offload_param: OffloadConfig = field(default_factory=lambda: OffloadConfig(buffer_count=5))
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
     zero_hpz_partition_size: int = 1
@@ -218,7 +223,7 @@ def _parse_optimizer(raw: dict[str, Any]) -> OptimizerConfig:
     return OptimizerConfig(type=kind, params=dict(params))
 
 
-def _parse_offload(section: str, raw: Any, keys: set[str]) -> OffloadConfig:
+def _parse_offload(section: str, raw: Any, keys: set[str], buffer_count: int) -> OffloadConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"'{section}' must be a JSON object (a dict).")
     _check_keys(section, raw, keys)
@@ -234,7 +239,7 @@ def _parse_offload(section: str, raw: Any, keys: set[str]) -> OffloadConfig:
         device=device,
         pin_memory=_bool(section, "pin_memory", raw.get("pin_memory", False)),
         nvme_path=nvme_path,
-        buffer_count=_int(section, "buffer_count", raw.get("buffer_count", 4), 1),
+        buffer_count=_int(section, "buffer_count", raw.get("buffer_count", buffer_count), 1),
     )
 
 
@@ -250,9 +255,9 @@ def _parse_zero(raw: dict[str, Any]) -> ZeroConfig:
     d = ZeroConfig()
     stage = _int(s, "stage", raw.get("stage", d.stage), 0, 3)
     off_opt = _parse_offload(f"{s}.offload_optimizer", raw.get("offload_optimizer", {}),
-                             {"device", "pin_memory", "nvme_path", "buffer_count"})
+                             {"device", "pin_memory", "nvme_path", "buffer_count"}, d.offload_optimizer.buffer_count)
     off_par = _parse_offload(f"{s}.offload_param", raw.get("offload_param", {}),
-                             {"device", "pin_memory", "nvme_path", "buffer_count"})
+                             {"device", "pin_memory", "nvme_path", "buffer_count"}, d.offload_param.buffer_count)
     if off_opt.device != "none" and stage == 0:
         raise ConfigError(
             f"'{s}.offload_optimizer' needs ZeRO stage 1, 2 or 3 (the optimizer state must be partitioned "

@@ -21,6 +21,7 @@ Why it is built this way:
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import datetime
 import faulthandler
@@ -556,6 +557,7 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, conn: Connec
         if tb is not None and tb.tb_frame.f_code is _rank_main.__code__ and tb.tb_next is not None:
             tb = tb.tb_next  # the traceback starts in fn, not in this wrapper
         tb = "".join(traceback.format_exception(type(e), e, tb))
+        _run_exit_handlers()   # before the parent stops every rank on hearing of the error
         sys.stderr.flush()
         try:
             conn.send(("error", time.time(), type(e).__name__, str(e), tb))
@@ -567,9 +569,19 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, conn: Connec
     conn.send(("ok", time.time(), data))
     release.wait()  # stay until every rank returned: no rank leaves a collective its peers are still finishing
     dist.destroy_process_group()
+    _run_exit_handlers()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _run_exit_handlers(limit: float = 10.0) -> None:
+    """What a normal exit runs and os._exit skips: atexit handlers, weakref finalizers among them (an engine's
+    NVMe swap folder is deleted there, zeroedu.offload). On a side thread, so one that hangs cannot keep the rank
+    alive past `limit` seconds."""
+    worker = threading.Thread(target=atexit._run_exitfuncs, name="zeroedu-exit-handlers", daemon=True)
+    worker.start()
+    worker.join(limit)
 
 
 # -- the parent ----------------------------------------------------------------------------------------------

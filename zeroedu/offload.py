@@ -7,7 +7,8 @@ the accelerator. `offload_optimizer` (stages 1-3) moves what only the optimizer 
     device  compute parameters (all of them at stages 1-2, this rank's 1/N at stage 3 unless offload_param),
             activations, gradients while backward makes them, bucket buffers
     host    fp32 master weights and optimizer state (cpu), the reduced gradient shard (cpu and nvme),
-            `buffer_count` sub-group buffers (nvme), the parameter shard (offload_param cpu)
+            `buffer_count` sub-group buffers (nvme), the parameter shard (offload_param cpu) or
+            offload_param's `buffer_count` piece buffers (offload_param nvme)
     nvme    fp32 master weights and optimizer state (offload_optimizer nvme), the parameter shard
             (offload_param nvme): files in a private folder under nvme_path
 
@@ -18,7 +19,10 @@ the accelerator. `offload_optimizer` (stages 1-3) moves what only the optimizer 
               and the writes behind it. The updated piece goes back to the device in the compute dtype (h2d:
               2 bytes/parameter in bf16, the cast happens on the host), then the stage all-gathers as usual
     forward   (offload_param) a unit's piece is brought to the device just before its all-gather, inside the
-              gather's job on the comm thread, so the stage's prefetch brings it early
+              gather's job on the comm thread (Stage3.param_piece), so the stage's prefetch brings it early. At
+              nvme it is read into one of offload_param's `buffer_count` host buffers first; the step's updated
+              pieces go back to their file through the same buffers, so host memory for parameters stays
+              buffer_count x the largest piece
 
 Every copy between tiers is a ledger entry (op "d2h", "h2d", "h2nvme", "nvme2h", kind "offload") with the bytes
 it moved and when. On CUDA the copies run on a side stream with non_blocking=True, from and to pinned host
@@ -30,12 +34,17 @@ The sub-group that NVMe reads and writes at once is one bucket's piece (reduce_b
 stages 1-2, one module's unit / N at stage 3): DeepSpeed's `sub_group_size`, which zeroedu does not take as a
 key. Host bytes for optimizer state are therefore buffer_count x (4 + state bytes) x the largest piece, whatever
 the model's size.
+
+DeepSpeed's NVMe swapping of optimizer state lives in its stage-3 optimizer (ZeRO-Infinity); its stage 1-2 optimizer
+offloads to the CPU only. zeroedu runs the NVMe tier at stages 1-3, so a config meant for DeepSpeed should pair
+"nvme" with stage 3.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import queue
 import shutil
 import socket
 import statistics
@@ -50,7 +59,6 @@ import torch
 import torch.distributed as dist
 
 from zeroedu.comm import LedgerEntry
-from zeroedu.config import ConfigError
 from zeroedu.engine import make_optimizer
 from zeroedu.flat import Bucket
 from zeroedu.memory import resident
@@ -257,21 +265,6 @@ def host_optimizer(cfg, params: list[torch.nn.Parameter], impl: str | None = Non
     return cls(params, **dict(cfg.optimizer.params), **flags[impl])
 
 
-class _StandIn:
-    """Stands in for the gradient shard while the stage reduces one bucket.
-
-    The stage takes its output as `layout.piece_of_shard(self.grad_shard, b)`, i.e. a slice of the shard;
-    with offload the shard lives on the host, so for that one call the slice it gets is a small device
-    staging piece, which the mixin then copies to the host.
-    """
-
-    def __init__(self, piece: torch.Tensor) -> None:
-        self.piece = piece
-
-    def __getitem__(self, _: slice) -> torch.Tensor:
-        return self.piece
-
-
 # -- the engine ----------------------------------------------------------------------------------------------------
 
 class OffloadMixin:
@@ -287,11 +280,6 @@ class OffloadMixin:
         super().setup()
         zc = self.config.zero_optimization
         self.opt_tier, self.param_tier = zc.offload_optimizer.device, zc.offload_param.device
-        if self.param_tier != "none" and getattr(self, "hpz", False):
-            raise ConfigError("'zero_optimization.offload_param' cannot be combined with zero_hpz_partition_size > 1: "
-                              "hpZ keeps a secondary copy of the parameters on the device, the memory offload_param "
-                              "frees. Use one of the two.")
-        self.device = (self.param_shard if self.stage == 3 else self.flat_params).device
         self.global_rank = dist.get_rank()
         self.adam_timeline: list[tuple[str, float, float]] = []   # (what, start, end) of host optimizer work
         self.nvme_removed: list[str] = []                          # stale swap folders this run deleted
@@ -302,6 +290,8 @@ class OffloadMixin:
         self._folders: dict[str, SwapFolder] = {}
         self._io: ThreadPoolExecutor | None = None
         self._io_pending: list[Future] = []
+        self._staging: dict[int, torch.Tensor] = {}   # bucket -> the device piece its reduction lands in
+        self._param_pool: queue.SimpleQueue[torch.Tensor] | None = None   # offload_param nvme: host buffers
         self._pin_opt = zc.offload_optimizer.pin_memory and self.device.type == "cuda"
         self._pin_param = zc.offload_param.pin_memory and self.device.type == "cuda"
         self.max_piece = max(b.piece for b in self.layout.buckets)
@@ -323,7 +313,7 @@ class OffloadMixin:
         buckets = self.layout.buckets
         device_masters = [p.data for p in self.master_pieces]
         if oc.device == "cpu":
-            self.host_master = torch.empty(n, dtype=torch.float32)
+            self.host_master = torch.empty(n, dtype=torch.float32, pin_memory=self._pin_opt)
             for b, m in zip(buckets, device_masters, strict=True):
                 self._copy(self.layout.piece_of_shard(self.host_master, b), m, "d2h")
             pieces = [self.layout.piece_of_shard(self.host_master, b) for b in buckets]
@@ -361,15 +351,26 @@ class OffloadMixin:
     def _offload_parameters(self, oc) -> None:
         n = self.layout.shard_numel
         device_shard = self.param_shard
-        host = torch.empty(n, dtype=self.dtype, pin_memory=self._pin_param)
-        self._copy(host, device_shard, "d2h")
         if oc.device == "cpu":
-            self.param_host, self.param_file = host, None
+            self.param_host, self.param_file = torch.empty(n, dtype=self.dtype, pin_memory=self._pin_param), None
+            self._copy(self.param_host, device_shard, "d2h")
         else:
             self.param_host = None
-            folder = self._folder(oc, "zero_optimization.offload_param.nvme_path", n * host.element_size())
+            itemsize = device_shard.element_size()
+            folder = self._folder(oc, "zero_optimization.offload_param.nvme_path", n * itemsize)
             self.param_file = folder.file("parameters", n, self.dtype)
-            self._file_io("h2nvme", self.param_file, 0, host)
+            # buffer_count host buffers of the largest piece: every read and write of the file goes through them
+            self._param_buffers = [torch.empty(self.max_piece, dtype=self.dtype, pin_memory=self._pin_param)
+                                   for _ in range(oc.buffer_count)]
+            self._param_pool = queue.SimpleQueue()
+            for buf in self._param_buffers:
+                self._param_pool.put(buf)
+            for b in self.layout.buckets:
+                buf = self._param_pool.get()
+                host = buf[: b.piece]
+                self._copy(host, self.layout.piece_of_shard(device_shard, b), "d2h", sync=True)
+                self._file_io("h2nvme", self.param_file, b.shard_start, host)
+                self._param_pool.put(buf)
         # The device keeps no parameter shard, only the units it gathers (and the persistent ones). In fp32
         # without optimizer offload the master pieces still hold the old shard's memory: it is the master.
         self.param_shard = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -434,19 +435,28 @@ class OffloadMixin:
         if self.opt_tier != "none" and self.stage == 1 and self.grad_shard is not None:
             self.grad_shard = self.host_grads   # stage 1 makes a fresh shard at the boundary; ours persists
 
-    def reduce_bucket(self, b: Bucket) -> None:
+    def grad_out(self, b: Bucket) -> torch.Tensor:
+        """The stage reduces bucket b into a small piece on the device; the piece then goes to the host shard."""
         if self.opt_tier == "none":
-            super().reduce_bucket(b)
-            return
-        staging = torch.zeros(b.piece, dtype=self.dtype, device=self.device)
-        host, self.grad_shard = self.grad_shard, _StandIn(staging)
-        try:
-            super().reduce_bucket(b)      # reduce-scatters (stage 2-3: and adds) into the staging piece
-        finally:
-            self.grad_shard = host
+            return super().grad_out(b)
+        self._staging[b.index] = torch.zeros(b.piece, dtype=self.dtype, device=self.device)
+        return self._staging[b.index]
+
+    def reduce_bucket(self, b: Bucket) -> None:
+        super().reduce_bucket(b)          # queues the reduce-scatter (stages 2-3: and the add) into grad_out(b)
+        self._send_staged()
+
+    def after_backward(self) -> None:
+        super().after_backward()
+        self._send_staged()
+
+    def _send_staged(self) -> None:
+        """Queue the copy to the host of every piece whose reduction was queued, behind it on the comm thread."""
+        staged, self._staging = self._staging, {}
         phase, step = self.comm.phase, self.global_step
-        # Queued after the stage's own job on the comm thread, so it runs once the reduction is done.
-        self.launch(lambda: self._grad_to_host(b, staging, phase, step))
+        for i, staging in staged.items():
+            b = self.layout.buckets[i]
+            self.launch(lambda b=b, staging=staging: self._grad_to_host(b, staging, phase, step))
 
     def _grad_to_host(self, b: Bucket, staging: torch.Tensor, phase: str, step: int) -> None:
         out = self.layout.piece_of_shard(self.host_grads, b)
@@ -508,7 +518,7 @@ class OffloadMixin:
             self.optimizer.step()    # only this piece has a gradient: Adam skips the others
             master.grad = None
             self.adam_timeline.append(("adam", t0, time.time()))
-            self._write_back(b, master.detach().clone())   # a copy: the buffer is reused by a later read
+            self._write_back(b, master.detach())   # copied or cast out of the buffer before its next read
             writes.append(self._io.submit(self._swap_out, i, self.global_step))
         for w in writes:
             w.result()
@@ -556,25 +566,38 @@ class OffloadMixin:
         return self.param_shard_views[b.index]
 
     def _write_back(self, b: Bucket, master: torch.Tensor) -> None:
-        """The updated fp32 master piece to the compute parameters' home, in the compute dtype."""
-        value = master.to(self.dtype)    # cast where the master is: bf16 halves the bytes on the bus
-        on_device = self.opt_tier == "none"
+        """The updated fp32 master piece to the compute parameters' home, in the compute dtype.
+
+        The cast happens where the master is, so bf16 halves the bytes on the bus. `master` may be an NVMe
+        sub-group buffer that the next read overwrites: everything here copies out of it before returning
+        (a CUDA copy from it is made from a fresh cast or copy, which the copy keeps alive).
+        """
+        on_device = self.opt_tier == "none"   # offload_param alone: the step ran on the device
         if self.param_tier == "none":
+            value = torch.empty(b.piece, dtype=self.dtype, pin_memory=self._pin_opt).copy_(master)
             self._copy(self._device_piece(b), value, "h2d")
         elif self.param_tier == "cpu":
             dst = self.layout.piece_of_shard(self.param_host, b)
             if on_device:
-                self._copy(dst, value, "d2h")
+                self._copy(dst, master.to(self.dtype), "d2h", sync=True)
             else:
-                dst.copy_(value)    # host to host: no bus crossed
+                dst.copy_(master)    # host to host: no bus crossed
         else:
+            buf = self._param_pool.get()   # waits while every buffer has a write in flight
+            host = buf[: b.piece]
             if on_device:
-                host = torch.empty(b.piece, dtype=self.dtype, pin_memory=self._pin_param)
-                self._copy(host, value, "d2h", sync=True)
-                value = host
+                self._copy(host, master.to(self.dtype), "d2h", sync=True)
+            else:
+                host.copy_(master)
             phase, step = self.comm.phase, self.global_step
-            self._io_pending.append(self._io.submit(self._file_io, "h2nvme", self.param_file, b.shard_start,
-                                                    value, phase, step))
+
+            def write() -> None:
+                try:
+                    self._file_io("h2nvme", self.param_file, b.shard_start, host, phase, step)
+                finally:
+                    self._param_pool.put(buf)
+
+            self._io_pending.append(self._io.submit(write))
 
     def publish(self) -> None:
         if not self._written_back:   # a checkpoint load, or offload_param alone (the step ran on the device)
@@ -586,7 +609,9 @@ class OffloadMixin:
         if self.param_tier != "none":   # only the persistent units are whole on the device
             for b in self.layout.buckets:
                 if b.index in self.persistent:
-                    self.comm.all_gather(self.gathered[b.index], self._param_to_device(b), kind="params")
+                    self.comm.all_gather(self.gathered[b.index], self.param_piece(b), kind="params")
+            if getattr(self, "hpz", False):   # what ZeroPPMixin.publish does: hpZ's secondary copy is stale now
+                self._secondary_fresh.clear()
             return
         # The stage's publish copies master -> compute piece unless they are one tensor, then all-gathers.
         # The new values are on the device already, so it sees the device pieces as the masters.
@@ -597,31 +622,23 @@ class OffloadMixin:
             self.master_pieces = masters
 
     # -- parameter offload (stage 3): to the device just before the gather ------------------------------------------
-    def _param_to_device(self, b: Bucket, phase: str | None = None, step: int | None = None) -> torch.Tensor:
-        if self.param_file is not None:
-            host = torch.empty(b.piece, dtype=self.dtype, pin_memory=self._pin_param)
-            self._file_io("nvme2h", self.param_file, b.shard_start, host, phase, step)
-        else:
-            host = self.layout.piece_of_shard(self.param_host, b)
-        piece = torch.empty(b.piece, dtype=self.dtype, device=self.device)
-        self._copy(piece, host, "h2d", phase, step, sync=True)
-        return piece
-
-    def _start_gather(self, b: Bucket) -> None:
+    def param_piece(self, b: Bucket) -> torch.Tensor:
+        """This rank's piece of unit b, brought to the device from its tier. Stage 3 (and ZeRO++) call it inside
+        the gather's job on the comm thread, so a prefetched gather brings it early too."""
         if self.param_tier == "none":
-            super()._start_gather(b)
-            return
-        buf = self._buffer(b)     # the unit's full buffer, as Stage3 gathers into it
-        phase, step = self.comm.phase, self.global_step
-
-        def job() -> None:   # on the comm thread: a prefetch brings the piece from its tier early too
-            mine = self._param_to_device(b, phase, step)
-            if getattr(self, "qwz", False):
-                self._quantized_all_gather(buf, mine)
-            else:
-                self.comm.all_gather(buf, mine, kind="params")
-
-        self.inflight[b.index] = (self.comm.run_async(job), buf)
+            return super().param_piece(b)
+        piece = torch.empty(b.piece, dtype=self.dtype, device=self.device)
+        if self.param_file is None:
+            self._copy(piece, self.layout.piece_of_shard(self.param_host, b), "h2d", sync=True)
+            return piece
+        buf = self._param_pool.get()
+        try:
+            host = buf[: b.piece]
+            self._file_io("nvme2h", self.param_file, b.shard_start, host)
+            self._copy(piece, host, "h2d", sync=True)
+        finally:
+            self._param_pool.put(buf)
+        return piece
 
     # -- memory by tier -------------------------------------------------------------------------------------------
     def _host_owned(self) -> dict[str, list[torch.Tensor]]:
@@ -641,6 +658,8 @@ class OffloadMixin:
                 out["optimizer_state"] += [t for s in self.slots for k, t in s.items() if k != "master"]
         if self.param_tier == "cpu":
             out["parameters"] = [self.param_host]
+        elif self.param_tier == "nvme":   # the buffers every read and write of the parameter file goes through
+            out["parameters"] = list(self._param_buffers)
         return out
 
     def owned(self) -> dict[str, list[torch.Tensor]]:
