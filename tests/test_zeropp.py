@@ -259,7 +259,7 @@ def reduce_scatter_check(engine, rank: int, world: int) -> list[tuple[float, flo
         engine.grad_bits = bits
         numel = 4 * 1000
         bufs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
-        got = engine.quantized_reduce_scatter(bufs[rank].clone())
+        got, = engine.quantized_reduce_scatter([bufs[rank].clone()])
         exact = torch.stack(bufs).mean(0).view(world, -1)[rank]
         a = max(float(b.abs().max()) for b in bufs)
         L = 2 ** (bits - 1) - 1
@@ -372,6 +372,22 @@ def test_ledger_bytes_equal_theory(results, name):
                                   grad_accum=run.accum, persistent=[n for n in sizes if n < run.persist])
     for key in ("intra_node", "cross_node", "total", "cross_node_per_node"):
         assert measured[key] == th[key], (name, key, measured[key], th[key])
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("name", ["plain", "all"])
+def test_units_travel_coalesced(results, name):
+    """As in plain stage 3 and in DeepSpeed, units that are gathered or reduced together share one collective
+    (each keeps its own quantization blocks, so the bytes are those of one collective per unit, as checked
+    above): fewer collectives than units in every phase."""
+    from reference import make
+
+    units = len(unit_sizes(make("gpt")))
+    ledger = [e for e in results[0][name]["ledger"] if e.kind in ("params", "grads")]
+    for phase, op in {(e.phase, e.op) for e in ledger}:
+        calls = sum(1 for e in ledger if (e.phase, e.op) == (phase, op))
+        hops = 2 if op == "all_to_all" else 1       # qgZ: one all-to-all inside the node, one across
+        assert calls < hops * units, (name, phase, op, calls, units)
 
 
 @pytest.mark.timeout(700)

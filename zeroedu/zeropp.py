@@ -250,65 +250,76 @@ class ZeroPPMixin:
         return self.secondary[at: at + b.padded // self.node_size]
 
     # -- parameters: qwZ and hpZ ------------------------------------------------------------------------------
+    # Stage 3 asks for units to be gathered (start_gathers); ZeRO++ picks where each comes from: the node's
+    # secondary copy (hpZ, in backward) or every rank's primary piece (int8 blocks under qwZ). Units from one
+    # source travel in one collective when the stage coalesces, as DeepSpeed's quantized all-gather does:
+    # each unit keeps its own blocks, so the bytes are exactly those of one collective per unit.
+    def start_gathers(self, units: list[Bucket]) -> None:
+        node_ok = self.hpz and self.comm.phase != "forward"
+        from_node = [b for b in units if node_ok and b.index in self._secondary_fresh]
+        from_world = [b for b in units if not (node_ok and b.index in self._secondary_fresh)]
+        if self.hpz:   # the world gathers below refresh these before any later job reads them
+            self._secondary_fresh.update(b.index for b in from_world)
+        for node, group in ((True, from_node), (False, from_world)):
+            for part in ([group] if getattr(self, "coalesce", False) else [[b] for b in group]):
+                if not part:
+                    continue
+                bufs = [self._buffer(b) for b in part]   # each unit's own buffer: autograd's saved views use it
+                handle = self.comm.run_async(lambda part=part, bufs=bufs, node=node: self._gather(part, bufs, node))
+                for b, buf in zip(part, bufs, strict=True):
+                    self.inflight[b.index] = (handle, buf)
+
     def _start_gather(self, b: Bucket) -> None:
-        buf = self._buffer(b)   # the unit's own buffer: autograd's saved views of the weights point into it
-        from_node = self.hpz and self.comm.phase != "forward" and b.index in self._secondary_fresh
-        if self.hpz and not from_node:
-            self._secondary_fresh.add(b.index)   # the job below refreshes it before any later job reads it
+        self.start_gathers([b])
 
-        def job() -> None:
-            if from_node:
-                self.node_comm.all_gather(buf, self.secondary_piece(b), kind="params")
-                return
-            mine = self.param_piece(b)
-            if self.qwz:
-                self._quantized_all_gather(buf, mine)
-            else:
-                self.comm.all_gather(buf, mine, kind="params")
-            if self.hpz:
-                local = self.node_comm.rank
-                self.secondary_piece(b).copy_(buf.view(self.node_size, -1)[local])
+    def _gather(self, units: list[Bucket], bufs: list[torch.Tensor], from_node: bool) -> None:
+        """On the comm thread: fill the units' buffers."""
+        if from_node:
+            self.node_comm.all_gather_coalesced(bufs, [self.secondary_piece(b) for b in units], kind="params")
+            return
+        mine = [self.param_piece(b) for b in units]
+        if self.qwz:
+            self._quantized_all_gather(bufs, mine)
+        else:
+            self.comm.all_gather_coalesced(bufs, mine, kind="params")
+        if self.hpz:
+            for b, buf in zip(units, bufs, strict=True):
+                self.secondary_piece(b).copy_(buf.view(self.node_size, -1)[self.node_comm.rank])
 
-        self.inflight[b.index] = (self.comm.run_async(job), buf)
-
-    def _quantized_all_gather(self, buf: torch.Tensor, mine: torch.Tensor) -> None:
-        """All-gather int8 blocks and their scales in one message per rank; every rank decodes all of them
-        (its own piece included, so that every rank computes with the same weights)."""
-        payload = compress(mine, self.weight_bits, self.weight_block)
-        arrived = torch.empty(self.world_size * payload.numel(), dtype=torch.uint8, device=buf.device)
-        self.comm.all_gather(arrived, payload, kind="params")
-        decoded = decompress(arrived.view(self.world_size, -1), mine.numel(), self.weight_bits, self.weight_block)
-        buf.copy_(decoded.reshape(-1))
+    def _quantized_all_gather(self, bufs: list[torch.Tensor], pieces: list[torch.Tensor]) -> None:
+        """All-gather int8 blocks and their scales, every unit's in one message per rank; every rank decodes
+        all of them (its own piece included, so that every rank computes with the same weights)."""
+        payloads = [compress(p, self.weight_bits, self.weight_block) for p in pieces]
+        mine = torch.cat(payloads)
+        rows = torch.empty(self.world_size, mine.numel(), dtype=torch.uint8, device=mine.device)
+        self.comm.all_gather(rows.view(-1), mine, kind="params")
+        start = 0
+        for buf, piece, payload in zip(bufs, pieces, payloads, strict=True):
+            arrived = rows[:, start: start + payload.numel()].contiguous()
+            buf.copy_(decompress(arrived, piece.numel(), self.weight_bits, self.weight_block).reshape(-1))
+            start += payload.numel()
 
     # -- gradients: qgZ ---------------------------------------------------------------------------------------
-    def reduce_bucket(self, b: Bucket) -> None:
+    def reduce_to_shard(self, buckets: list[Bucket], bufs: list[torch.Tensor], i: int) -> None:
+        """The stage's gradient reduction (one bucket, or the units waiting in one), with qgZ as the collective."""
         if not self.qgz:
-            super().reduce_bucket(b)
+            super().reduce_to_shard(buckets, bufs, i)
             return
-        # As Stage2.reduce_bucket (copy the grads into a bucket buffer, free them), with qgZ as the reduction.
-        i = self._next_buffer
-        buf = self.take_bucket_buffer(b)
-        for p, view in zip(b.params, self.layout.param_views_of_bucket(buf, b), strict=True):
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad)
-                p.grad = None
-        buf[b.numel:].zero_()
-        out = self.grad_out(b)
+        outs = [self.grad_out(b) for b in buckets]
 
         def job() -> None:
-            out.add_(self.quantized_reduce_scatter(buf).to(out.dtype))   # micro-steps accumulate
+            for out, avg in zip(outs, self.quantized_reduce_scatter(bufs), strict=True):
+                out.add_(avg.to(out.dtype))     # micro-steps accumulate in the shard
 
         if self.overlap:
             self._buffer_jobs[i] = self.comm.run_async(job)
             self._handles.append(self._buffer_jobs[i])
         else:
             job()
-        self.release(b.index)
 
-    def quantized_reduce_scatter(self, buf: torch.Tensor) -> torch.Tensor:
-        """The average over ranks of this rank's piece of `buf` (fp32), by two quantized all-to-alls.
+    def quantized_reduce_scatter(self, bufs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """For each buffer, the average over ranks of this rank's piece of it (fp32), by two quantized
+        all-to-alls that carry every buffer at once (each quantized in blocks of its own).
 
         Rank r = g*M + l (node g, local rank l) must end with piece r. Hop 1, inside node g: local rank l
         collects from every node peer the pieces {g'*M + l for every node g'} (the slices it will answer for
@@ -318,21 +329,30 @@ class ZeroPPMixin:
         """
         n, m = self.world_size, self.node_size
         g = n // m
-        piece = buf.numel() // n
-        by_dest = buf.view(g, m, piece).transpose(0, 1).reshape(m, g * piece)   # row l': pieces g'*M + l'
-        node_sums = self._exchange_and_sum(by_dest, self.node_comm)             # pieces g'*M + l, node-summed
-        total = self._exchange_and_sum(node_sums.view(g, piece), self.cross_comm)
-        return total / n
+        pieces = [buf.numel() // n for buf in bufs]
+        by_dest = [buf.view(g, m, p).transpose(0, 1).reshape(m, g * p)           # row l': pieces g'*M + l'
+                   for buf, p in zip(bufs, pieces, strict=True)]
+        node_sums = self._exchange_and_sum(by_dest, self.node_comm)            # pieces g'*M + l, node-summed
+        totals = self._exchange_and_sum([s.view(g, p) for s, p in zip(node_sums, pieces, strict=True)],
+                                        self.cross_comm)
+        return [t / n for t in totals]
 
-    def _exchange_and_sum(self, rows: torch.Tensor, comm: Comm) -> torch.Tensor:
-        """Row j goes to group rank j (quantized); returns the fp32 sum of the rows that arrive."""
+    def _exchange_and_sum(self, rows: list[torch.Tensor], comm: Comm) -> list[torch.Tensor]:
+        """Row j of each tensor goes to group rank j (quantized, all tensors in one all-to-all); returns, for
+        each tensor, the fp32 sum of the rows that arrive."""
         if comm.world_size == 1:
-            return rows[0].float()
-        width = rows.shape[-1]
-        payload = compress(rows, self.grad_bits, self.grad_block)
+            return [r[0].float() for r in rows]
+        payloads = [compress(r, self.grad_bits, self.grad_block) for r in rows]
+        payload = torch.cat(payloads, dim=1)
         arrived = torch.empty_like(payload)
         comm.all_to_all(arrived.view(-1), payload.reshape(-1), kind="grads")
-        return decompress(arrived, width, self.grad_bits, self.grad_block).sum(dim=0)
+        out, start = [], 0
+        for r, p in zip(rows, payloads, strict=True):
+            width = p.shape[1]
+            out.append(decompress(arrived[:, start: start + width].contiguous(), r.shape[-1], self.grad_bits,
+                                  self.grad_block).sum(dim=0))
+            start += width
+        return out
 
     # -- step and memory --------------------------------------------------------------------------------------
     def publish(self) -> None:

@@ -30,10 +30,7 @@ def engine_class(cfg) -> type:
     if not bases:
         return stage
     name = stage.__name__ + "".join(b.__name__.removesuffix("Mixin") for b in bases)
-    # ZeRO++ replaces the collective of each unit (quantized, or within the node): stage 3 then gathers and
-    # reduces unit by unit instead of coalescing units into one collective.
-    attrs = {"coalesce": False} if any(b.__name__ == "ZeroPPMixin" for b in bases) else {}
-    return type(name, (*bases, stage), attrs)
+    return type(name, (*bases, stage), {})
 
 
 __all__ = ["STAGES", "Stage0", "Stage1", "Stage2", "Stage3", "engine_class"]
