@@ -160,6 +160,10 @@ def test_scaling_plot_points_and_curves():
     assert got["stage 3: measured"] == ([1, 2], [16, 8])
     assert got["stage 3: theory"] == ([1, 2, 4], [16, 8, 4])
     assert "stage 0: theory" not in got
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("data-parallel ranks N", "bytes per rank (KiB)")
+    other = viz.scaling_plot(measured, xlabel="gradient accumulation steps A", ylabel="bytes sent per step")
+    assert (other.axes[0].get_xlabel(), other.axes[0].get_ylabel()) == ("gradient accumulation steps A",
+                                                                        "bytes sent per step (KiB)")
 
 
 def test_alpha_beta_plot_lines_follow_the_ring_model():
@@ -174,6 +178,9 @@ def test_alpha_beta_plot_lines_follow_the_ring_model():
     x = model.get_xdata()
     want = [(2 * (n - 1) * alpha + 2 * (n - 1) * int(s) / n / beta) * 1e3 for s in x]
     assert list(model.get_ydata()) == pytest.approx(want)
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+    assert labels and all("times" not in t and "^" not in t for t in labels), labels   # plain milliseconds
 
 
 def test_ring_grid_one_panel_per_step_with_contributors():

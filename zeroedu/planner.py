@@ -5,7 +5,8 @@ the bytes per GPU by category, whether they fit, and the communication time per 
 the configuration that fits with the least communication time, preferring in turn no offload, then a lower
 stage. Model states come from zeroedu.theory (exact, padded); activations are an estimate (documented in
 `activation_bytes`); times come from the alpha-beta model (theory.collective_time) with the link constants
-below or with ones fitted to measurements (`calibrate`).
+below or with ones fitted to measurements (`calibrate`); `predict_seconds` applies the same model to a list of
+collectives, e.g. a live ledger's, to check it against the clock (notebook 09 does, on 4 gloo ranks).
 
     from zeroedu.planner import plan, format_plan
     print(format_plan(plan("70B", gpus=16, gpus_per_node=8, gpu_memory_gb=80)))
@@ -279,12 +280,13 @@ def _assumptions(spec: ModelSpec, headroom: float, bucket_numel: int, prefetch_n
         act,
         f"fits: total <= (1 - {headroom:g}) x GPU memory; the headroom covers the CUDA context, the allocator's "
         f"fragmentation and temporaries not listed",
-        f"buckets: stage 2 holds two reduce buckets of min(psi, {bucket_numel:.3g}) elements; stage 3 two "
-        f"buffers of the largest unit; stages 0-1 reduce in the gradient buffer itself (zeroedu's design)",
+        f"buckets: stage 2 holds two reduce buckets of min(psi, {bucket_numel:.3g}) elements, stage 3 two of "
+        f"that or of the largest unit if larger; stages 0-1 reduce in the gradient buffer itself (zeroedu's design)",
         f"gathered parameters (stage 3): the largest unit (max of a 4h x h MLP matrix and the V x h embedding) "
         f"plus a prefetch of {prefetch_numel:.3g} elements, in the compute dtype",
-        "comm time: alpha-beta per ring collective, one collective per bucket (stages 0-2) or per unit "
-        "(stage 3: 4 linear layers per block + embedding); across nodes a ring runs at min(intra, inter) where "
+        "comm time: alpha-beta per ring collective, one collective per bucket (stages 0-2); at stage 3 one "
+        "all-gather per unit in forward and in backward (4 linear layers per block + embedding) and one "
+        "reduce-scatter per bucket; across nodes a ring runs at min(intra, inter) where "
         "inter is one node's total bandwidth to the others (what one rank sends also leaves its node)",
         "ZeRO++: qwZ int8 and qgZ int4 with fp32 scales per 2048 values, hpZ secondary partition per node "
         "(counted under parameters); quantization changes numerics: check convergence",
@@ -330,8 +332,8 @@ def plan(model: str | int | float = "7B", gpus: int = 8, gpus_per_node: int = 8,
         count = {"backward/all_reduce": n_buckets, "step/all_gather": n_buckets,
                  "backward/reduce_scatter": n_buckets * (grad_accum if stage == 2 else 1)}
         if stage == 3:
-            count = dict.fromkeys(("forward/all_gather", "backward/all_gather", "backward/reduce_scatter"),
-                                  n_units * grad_accum)
+            count = {"forward/all_gather": n_units * grad_accum, "backward/all_gather": n_units * grad_accum,
+                     "backward/reduce_scatter": n_buckets * grad_accum}
         t = 0.0
         for key, nbytes in sent.items():
             if key != "total":
@@ -357,7 +359,8 @@ def plan(model: str | int | float = "7B", gpus: int = 8, gpus_per_node: int = 8,
     for label, stage, oo, op, zpp in CONFIGS:
         tiers = theory.offload_bytes(psi, n, stage, precision, oo, op, optimizer=optimizer)
         dev = {k: tiers["device"][k] for k in theory.MODEL_STATES}
-        dev["buckets"] = 2 * p * (min(psi, bucket_numel) if stage == 2 else largest_unit if stage == 3 else 0)
+        reduce_bucket = min(psi, bucket_numel)
+        dev["buckets"] = 2 * p * {2: reduce_bucket, 3: max(largest_unit, reduce_bucket)}.get(stage, 0)
         dev["gathered_parameters"] = p * min(max_live_numel, largest_unit + prefetch_numel, psi) if stage == 3 else 0
         note = ""
         cross = 0.0

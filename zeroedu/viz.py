@@ -17,6 +17,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter
 
 from zeroedu.memory import CATEGORIES
 
@@ -282,8 +283,12 @@ def timeline(ranks: Sequence[Mapping], title: str = "What each rank does, over t
 
 def scaling_plot(measured: Mapping[str, Mapping[int, float]], theory: Mapping[str, Mapping[int, float]] | None = None,
                  title: str = "Model-state bytes per rank vs number of ranks", unit: str | None = None,
-                 ax=None, logy: bool = False) -> Figure:
-    """Measured points (one series per stage, {N: bytes}) over theory curves drawn as lines, ZeRO Figure-1 style."""
+                 ax=None, logy: bool = False, xlabel: str = "data-parallel ranks N",
+                 ylabel: str = "bytes per rank") -> Figure:
+    """Measured points (one series per stage, {N: bytes}) over theory curves drawn as lines, ZeRO Figure-1 style.
+
+    The x axis is log2 with a tick at every measured x; `xlabel`/`ylabel` name other sweeps (e.g. bytes sent
+    per step against gradient accumulation steps)."""
     if not measured:
         raise ValueError("scaling_plot: nothing to draw")
     top = max([v for d in measured.values() for v in d.values()]
@@ -308,8 +313,8 @@ def scaling_plot(measured: Mapping[str, Mapping[int, float]], theory: Mapping[st
     ax.minorticks_off()
     if logy:
         ax.set_yscale("log")
-    ax.set_xlabel("data-parallel ranks N")
-    ax.set_ylabel(f"bytes per rank ({name})")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"{ylabel} ({name})")
     ax.set_title(title)
     _legend(ax)
     _apply_axes_style(ax)
@@ -340,6 +345,9 @@ def alpha_beta_plot(sizes: Sequence[float], seconds: Mapping[str, Sequence[float
             line.set_gid("theory")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _pos: f"{v:g}")      # "20", not "2 x 10^1", on a log axis of milliseconds
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
     ax.set_xlabel("message size S (bytes)")
     ax.set_ylabel("time (ms)")
     if fit is not None:
