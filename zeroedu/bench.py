@@ -239,9 +239,164 @@ def main(argv: list[str] | None = None) -> int:
     print(format_rows(rows, a.world_size, a.d_model, a.layers))
     print(f"\nload average (1 min) before: {load:.2f}, after: {os.getloadavg()[0]:.2f}, on {os.cpu_count()} cores")
     if a.offload:
-        from zeroedu.offload import bench_offload
-
-        for row in bench_offload(a.world_size):
-            print(row)
+        offload = _offload_rows(a.world_size, a.d_model, a.layers, micro_batch=a.micro_batch)
+        print("\n" + _format_offload_rows(offload, a.world_size, a.d_model, a.layers))
     print("\nratio = zeroedu step time / peer step time (below 1.0: zeroedu is faster). gloo on CPU, not NCCL.")
     return 0
+
+
+# -- offload rows (`zeroedu bench --offload`) ------------------------------------------------------------------
+# zeroedu's offload settings against FSDP2 with CPUOffloadPolicy, which keeps the sharded parameters, gradients
+# and optimizer state on the host and steps there (the setting that matches stage 3 + offload_optimizer cpu +
+# offload_param cpu). The peer runs twice: with torch.optim.Adam as it comes (the per-tensor loop on CPU
+# tensors) and with fused=True, the CPU Adam zeroedu's host step uses, so the offload machinery is compared with
+# the same optimizer kernel. Every contender takes one step per round, in an order that rotates each round.
+
+OFFLOAD_PEER = "FSDP2 + CPUOffloadPolicy, fused Adam"
+OFFLOAD_PEERS = {   # name: (CPUOffloadPolicy?, torch.optim.Adam flags)
+    "FSDP2": (False, {}),
+    "FSDP2 + CPUOffloadPolicy": (True, {}),
+    OFFLOAD_PEER: (True, {"fused": True}),
+}
+
+
+def _offload_contenders(nvme_path: str, pin: bool) -> dict[str, dict]:
+    cpu = {"device": "cpu", "pin_memory": pin}
+    nvme = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": pin}
+    return {
+        "stage 2": {"stage": 2},
+        "stage 2 + opt cpu": {"stage": 2, "offload_optimizer": cpu},
+        "stage 3": {"stage": 3},
+        "stage 3 + opt cpu": {"stage": 3, "offload_optimizer": cpu},
+        "stage 3 + opt cpu + param cpu": {"stage": 3, "offload_optimizer": cpu, "offload_param": cpu},
+        "stage 3 + opt nvme + param nvme": {"stage": 3, "offload_optimizer": nvme, "offload_param": nvme},
+    }
+
+
+def _offload_rank(rank: int, world: int, d_model: int, layers: int, rounds: int, warmup: int, mb: int,
+                  zero: dict, nvme_path: str) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    import zeroedu
+    from zeroedu.memory import PeakTracker, resident
+    from zeroedu.models import TinyGPT, gpt_batch, gpt_loss, shard_batch
+
+    cfg = _workload(d_model, layers)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    batches = [[t.to(device) for t in shard_batch(*gpt_batch(s, mb * world, cfg), rank, world)]
+               for s in range(warmup + rounds + 1)]
+    steps, owned, engines = {}, {}, {}
+    for name, extra in _offload_contenders(nvme_path, device.type == "cuda").items():
+        config = zeroedu_config(extra.pop("stage"), mb)   # the stage benchmark's config, plus the offload keys
+        config["zero_optimization"].update({**zero, **extra})
+        engine, *_ = zeroedu.initialize(model=TinyGPT(cfg, seed=0), config=config)
+        engines[name] = engine
+        steps[name] = lambda x, y, e=engine: e.train_batch((x, y), gpt_loss)
+        owned[name] = engine.owned
+    for name, (offload, adam) in OFFLOAD_PEERS.items():
+        model = TinyGPT(cfg, seed=0).to(device)
+        kw = {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")} if offload else {}
+        for block in model.blocks:
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, **adam)
+
+        def p_step(x, y, model=model, opt=opt):
+            gpt_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+        steps[name] = p_step
+        owned[name] = lambda model=model, opt=opt: _peer_owned(model, opt)
+
+    names = list(steps)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(warmup + rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            steps[name](*batches[r])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    out: dict = {"times": times, "device": f"{dist.get_backend()} on {device.type.upper()}"}
+    for name in names:   # one more step each under the memory tracker (not timed), then bytes by tier
+        dist.barrier()
+        with PeakTracker(owned[name], lambda: "step") as tracker:
+            steps[name](*batches[-1])
+        row = {"peak": tracker.peak_total}
+        if name in engines:
+            e = engines[name]
+            tiers = e.memory()["tiers"]
+            row.update({t: sum(tiers.get(t, {}).get(c, 0) for c in MODEL_STATES) for t in ("device", "host", "nvme")})
+            row["moved"] = e.ledger.by("op", kind="offload", step=warmup)
+            if hasattr(e, "close"):
+                e.close()
+        else:   # FSDP2 with CPUOffloadPolicy keeps its model states on the host
+            states = sum(resident({c: owned[name]().get(c, []) for c in MODEL_STATES}).values())
+            row.update({"device": 0 if OFFLOAD_PEERS[name][0] else states, "host": states if OFFLOAD_PEERS[name][0]
+                        else 0, "nvme": 0, "moved": {}})
+        out[name] = row
+    return out
+
+
+def _offload_rows(world_size: int = 2, d_model: int = 256, layers: int = 4, rounds: int = 10, warmup: int = 2,
+                  micro_batch: int = 4, zero: dict | None = None, nvme_path: str | None = None) -> list[dict]:
+    """One row per contender: median step time (a round's step lasts as long as its slowest rank), the median
+    over rounds of its time over OFFLOAD_PEER's in the same round (with quartiles), over FSDP2 +
+    CPUOffloadPolicy with torch's default Adam, and over the same zeroedu stage without offload; model-state
+    bytes per rank by tier; bytes the ledger saw move between tiers in one step. nvme_path: a folder for the
+    NVMe row (default: a temporary folder, which on most machines is not an NVMe drive)."""
+    import shutil
+    import tempfile
+
+    import zeroedu
+
+    path = nvme_path or tempfile.mkdtemp(prefix="zeroedu-bench-")
+    try:
+        results = zeroedu.launch(_offload_rank, world_size=world_size, timeout=3600, hang_timeout=600,
+                                 args=(d_model, layers, rounds, warmup, micro_batch, zero or {}, path))
+    finally:
+        if nvme_path is None:
+            shutil.rmtree(path, ignore_errors=True)
+    slowest = {n: [max(t) for t in zip(*(r["times"][n] for r in results), strict=True)] for n in results[0]["times"]}
+
+    def ratio(a: str, b: str) -> tuple[float, float, float]:
+        rs = sorted(x / y for x, y in zip(slowest[a], slowest[b], strict=True))
+        q1, _, q3 = statistics.quantiles(rs, n=4) if len(rs) > 1 else (rs[0],) * 3
+        return statistics.median(rs), q1, q3
+
+    rows = []
+    for name in slowest:
+        base = name.split(" +")[0]
+        r0 = results[0][name]
+        rows.append({"config": name, "ms": 1e3 * statistics.median(slowest[name]), "vs_peer": ratio(name, OFFLOAD_PEER),
+                     "vs_peer_default_adam": ratio(name, "FSDP2 + CPUOffloadPolicy")[0],
+                     "vs_no_offload": ratio(name, base)[0] if base in slowest else None,
+                     "peak": max(r[name]["peak"] for r in results), "device": r0["device"], "host": r0["host"],
+                     "nvme": r0["nvme"], "moved": r0["moved"], "rounds": len(slowest[name]),
+                     "backend": results[0]["device"]})
+    return rows
+
+
+def _format_offload_rows(rows: list[dict], world_size: int, d_model: int, layers: int) -> str:
+    mib = 1 << 20
+    lines = [f"Offload: TinyGPT d_model={d_model} layers={layers}, fp32 Adam, {world_size} ranks, "
+             f"{rows[0]['backend']}, {rows[0]['rounds']} rounds. Model states per rank by tier (on a machine "
+             "without a GPU the device is the CPU: device and host are the same memory, kept apart as accounting)",
+             f"| config | ms | vs {OFFLOAD_PEER} (quartiles) | vs FSDP2 + CPUOffloadPolicy (default Adam) | "
+             "vs no offload | device MiB | host MiB | NVMe MiB | peak MiB | moved per step MiB (h<->d, h<->NVMe) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        med, q1, q3 = r["vs_peer"]
+        m = r["moved"]
+        pcie, disk = m.get("d2h", 0) + m.get("h2d", 0), m.get("nvme2h", 0) + m.get("h2nvme", 0)
+        moved = f"{pcie / mib:.2f}, {disk / mib:.2f}"
+        base = "" if r["vs_no_offload"] is None else f"{r['vs_no_offload']:.2f}x"
+        lines.append(f"| {r['config']} | {r['ms']:.1f} | {med:.2f}x ({q1:.2f}-{q3:.2f}) | "
+                     f"{r['vs_peer_default_adam']:.2f}x | {base} | {r['device'] / mib:.2f} | {r['host'] / mib:.2f} | "
+                     f"{r['nvme'] / mib:.2f} | {r['peak'] / mib:.1f} | {moved if m else ''} |")
+    return "\n".join(lines)

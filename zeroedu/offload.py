@@ -47,7 +47,6 @@ import os
 import queue
 import shutil
 import socket
-import statistics
 import sys
 import tempfile
 import threading
@@ -739,7 +738,7 @@ class OffloadMixin:
             folder.close()
 
 
-# -- measurements for the notebook and `zeroedu bench` ------------------------------------------------------------
+# -- measurements for the notebook and the course ------------------------------------------------------------------
 
 def cpu_adam_speed(numel: int = 4_000_000, pieces: int = 8, repeats: int = 5) -> dict[str, dict[str, float]]:
     """Time one Adam step over `numel` fp32 parameters (in `pieces` tensors) for each CPU implementation.
@@ -773,145 +772,3 @@ def cpu_adam_speed(numel: int = 4_000_000, pieces: int = 8, repeats: int = 5) ->
 def transfer_seconds(nbytes: int, link: str) -> float:
     """Time to move nbytes at a link's peak bandwidth (LINKS): a lower bound, no latency or contention."""
     return nbytes / LINKS[link]
-
-
-def _bench_configs(nvme_path: str) -> dict[str, dict]:
-    cpu, nvme = {"device": "cpu"}, {"device": "nvme", "nvme_path": nvme_path}
-    return {
-        "stage2": {"stage": 2},
-        "stage2+opt_cpu": {"stage": 2, "offload_optimizer": cpu},
-        "stage3": {"stage": 3},
-        "stage3+opt_cpu": {"stage": 3, "offload_optimizer": cpu},
-        "stage3+opt_cpu+param_cpu": {"stage": 3, "offload_optimizer": cpu, "offload_param": cpu},
-        "stage3+opt_nvme+param_nvme": {"stage": 3, "offload_optimizer": nvme, "offload_param": nvme},
-    }
-
-
-def _bench_rank(rank: int, world: int, d_model: int, layers: int, steps: int, mb: int, nvme_path: str) -> dict:
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
-    import zeroedu
-    from zeroedu.memory import PeakTracker
-    from zeroedu.models import TinyGPT, TinyGPTConfig, gpt_batch, gpt_loss, shard_batch
-
-    cfg = TinyGPTConfig(vocab_size=512, seq_len=64, d_model=d_model, n_layer=layers, n_head=4)
-
-    def timed(step_fn, track) -> tuple[float, int]:
-        times = []
-        for s in range(steps):
-            x, y = gpt_batch(s, mb * world, cfg)
-            xs, ys = shard_batch(x, y, rank, world)
-            dist.barrier()
-            if s == steps - 1:   # the last step measures memory, not time
-                with track() as tracker:
-                    step_fn(xs, ys)
-                return statistics.median(times[1:]), tracker.peak_total
-            t0 = time.perf_counter()
-            step_fn(xs, ys)
-            times.append(time.perf_counter() - t0)
-        raise ValueError("steps must be >= 3")
-
-    out: dict[str, dict] = {}
-    for name, zero in _bench_configs(nvme_path).items():
-        ds = {"train_micro_batch_size_per_gpu": mb, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-              "zero_optimization": {"reduce_bucket_size": 2_000_000, "stage3_param_persistence_threshold": 10_000,
-                                    **zero}}
-        engine, *_ = zeroedu.initialize(model=TinyGPT(cfg, seed=0), config=ds)
-        seconds, peak = timed(lambda xs, ys, e=engine: e.train_batch((xs, ys), gpt_loss), engine.track_memory)
-        mem = engine.memory()
-        tiers = mem["tiers"]
-        moved = engine.ledger.by("op", kind="offload", step=steps - 2)
-        out[name] = {"seconds": seconds, "peak": peak, "device": sum(tiers["device"].values()),
-                     "host": sum(tiers.get("host", {}).values()), "nvme": sum(tiers.get("nvme", {}).values()),
-                     "moved_per_step": moved}
-        if hasattr(engine, "close"):
-            engine.close()
-        del engine
-
-    for name, policy in (("fsdp2", None), ("fsdp2+CPUOffloadPolicy", CPUOffloadPolicy(pin_memory=False))):
-        model = TinyGPT(cfg, seed=0)
-        kw = {"offload_policy": policy} if policy else {}
-        for block in model.blocks:
-            fully_shard(block, **kw)
-        fully_shard(model, **kw)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-        def owned(model=model, opt=opt) -> dict[str, list[torch.Tensor]]:
-            def local(t):
-                return t.to_local() if hasattr(t, "to_local") else t
-
-            return {"parameters": [local(p.data) for p in model.parameters()],
-                    "gradients": [local(p.grad) for p in model.parameters() if p.grad is not None],
-                    "optimizer_state": [local(v) for s in opt.state.values() for v in s.values()
-                                        if isinstance(v, torch.Tensor) and v.dim() > 0]}
-
-        def p_step(xs, ys, model=model, opt=opt):
-            opt.zero_grad()
-            gpt_loss(model(xs), ys).backward()
-            opt.step()
-
-        seconds, peak = timed(p_step, lambda owned=owned: PeakTracker(owned, lambda: "step"))
-        out[name] = {"seconds": seconds, "peak": peak, "device": sum(resident(owned()).values()), "host": 0,
-                     "nvme": 0, "moved_per_step": {}}
-        del model, opt
-    return out
-
-
-BENCH_PAIRS = [  # (zeroedu config, its no-offload baseline, the FSDP2 peer)
-    ("stage2+opt_cpu", "stage2", "fsdp2+CPUOffloadPolicy"),
-    ("stage3+opt_cpu", "stage3", "fsdp2+CPUOffloadPolicy"),
-    ("stage3+opt_cpu+param_cpu", "stage3", "fsdp2+CPUOffloadPolicy"),
-    ("stage3+opt_nvme+param_nvme", "stage3", "fsdp2+CPUOffloadPolicy"),
-]
-
-
-def bench_offload(world_size: int = 2, d_model: int = 256, layers: int = 4, steps: int = 6, micro_batch: int = 4,
-                  nvme_path: str | None = None) -> list[dict]:
-    """Offload rows for `zeroedu bench`: zeroedu's offload configs against FSDP2 with CPUOffloadPolicy.
-
-    Same TinyGPT, data, fp32 Adam and ranks for every row. Each row: step time in ms (median, slowest rank),
-    ratio to the FSDP2 peer with CPUOffloadPolicy and to the same zeroedu stage without offload (and FSDP2's own
-    offload / no-offload ratio), peak bytes
-    (zeroedu.memory.PeakTracker over one step: on a CPU-only machine it sees host and device alike) and resident
-    bytes by tier, and the bytes the ledger saw move between tiers in one step. nvme_path: a folder for the NVMe
-    rows (default: a temporary folder, which on this machine is not an NVMe drive).
-    """
-    import zeroedu
-
-    own = nvme_path is None
-    path = tempfile.mkdtemp(prefix="zeroedu-bench-") if own else nvme_path
-    try:
-        results = zeroedu.launch(_bench_rank, world_size=world_size,
-                                 args=(d_model, layers, steps, micro_batch, path), timeout=1800, hang_timeout=300)
-    finally:
-        if own:
-            shutil.rmtree(path, ignore_errors=True)
-    rows = []
-    device = "cuda" if torch.cuda.is_available() else "cpu (device == host)"
-    peer_all = {name: [r[name] for r in results] for name in results[0]}
-    for name, base, peer in BENCH_PAIRS:
-        z, b, p = peer_all[name], peer_all[base], peer_all[peer]
-        zt, bt, pt = (max(x["seconds"] for x in v) for v in (z, b, p))
-        rows.append({
-            "config": name, "peer": peer, "device": device, "zeroedu_ms": 1e3 * zt, "peer_ms": 1e3 * pt,
-            "ratio_vs_peer": zt / pt, "ratio_vs_no_offload": zt / bt,
-            "peer_ratio_vs_no_offload": pt / max(x["seconds"] for x in peer_all["fsdp2"]),
-            "zeroedu_peak": max(x["peak"] for x in z), "peer_peak": max(x["peak"] for x in p),
-            "device_resident": z[0]["device"], "host_resident": z[0]["host"], "nvme_bytes": z[0]["nvme"],
-            "no_offload_device_resident": b[0]["device"], "peer_resident": p[0]["device"],
-            "moved_per_step": z[0]["moved_per_step"],
-        })
-    return rows
-
-
-def format_offload_rows(rows: list[dict]) -> str:
-    mib = 1 << 20
-    lines = [f"offload, device: {rows[0]['device']}; FSDP2 CPUOffloadPolicy / FSDP2: "
-             f"{rows[0]['peer_ratio_vs_no_offload']:.2f}x",
-             "| config | ms | vs no offload | vs FSDP2 CPUOffloadPolicy | device MiB | host MiB | nvme MiB | "
-             "peak MiB | FSDP2 peak MiB |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['config']} | {r['zeroedu_ms']:.1f} | {r['ratio_vs_no_offload']:.2f}x | "
-                     f"{r['ratio_vs_peer']:.2f}x | {r['device_resident'] / mib:.2f} | {r['host_resident'] / mib:.2f} | "
-                     f"{r['nvme_bytes'] / mib:.2f} | {r['zeroedu_peak'] / mib:.1f} | {r['peer_peak'] / mib:.1f} |")
-    return "\n".join(lines)
