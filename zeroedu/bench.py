@@ -312,7 +312,10 @@ def _offload_rank(rank: int, world: int, d_model: int, layers: int, rounds: int,
 
     names = list(steps)
     times: dict[str, list[float]] = {n: [] for n in names}
+    marks: dict[str, tuple[int, int]] = {}
     for r in range(warmup + rounds):
+        if r == warmup:   # where the timed rounds start in each engine's timelines
+            marks = {n: (len(e.timeline), len(getattr(e, "adam_timeline", []))) for n, e in engines.items()}
         k = r % len(names)
         for name in names[k:] + names[:k]:
             dist.barrier()
@@ -323,6 +326,17 @@ def _offload_rank(rank: int, world: int, d_model: int, layers: int, rounds: int,
             if r >= warmup:
                 times[name].append(time.perf_counter() - t0)
     out: dict = {"times": times, "device": f"{dist.get_backend()} on {device.type.upper()}"}
+    spent = {}   # where the time of zeroedu's timed steps went (this rank, mean ms per step)
+    for name, e in engines.items():
+        phases: dict[str, float] = {}
+        for phase, t0, t1 in e.timeline[marks[name][0]:]:
+            phases[phase] = phases.get(phase, 0.0) + 1e3 * (t1 - t0) / rounds
+        phases["host Adam"] = sum(1e3 * (t1 - t0) for _, t0, t1 in getattr(e, "adam_timeline", [])[marks[name][1]:])
+        phases["host Adam"] /= rounds
+        moves = [x for x in e.ledger.select(kind="offload") if warmup <= x.step < warmup + rounds]
+        phases["d2h + h2d"] = sum(1e3 * x.seconds for x in moves if x.op in ("d2h", "h2d")) / rounds
+        phases["NVMe I/O"] = sum(1e3 * x.seconds for x in moves if x.op in ("nvme2h", "h2nvme")) / rounds
+        spent[name] = phases
     for name in names:   # one more step each under the memory tracker (not timed), then bytes by tier
         dist.barrier()
         with PeakTracker(owned[name], lambda: "step") as tracker:
@@ -333,6 +347,7 @@ def _offload_rank(rank: int, world: int, d_model: int, layers: int, rounds: int,
             tiers = e.memory()["tiers"]
             row.update({t: sum(tiers.get(t, {}).get(c, 0) for c in MODEL_STATES) for t in ("device", "host", "nvme")})
             row["moved"] = e.ledger.by("op", kind="offload", step=warmup)
+            row["spent"] = spent[name]
             if hasattr(e, "close"):
                 e.close()
         else:   # FSDP2 with CPUOffloadPolicy keeps its model states on the host
@@ -377,7 +392,7 @@ def _offload_rows(world_size: int = 2, d_model: int = 256, layers: int = 4, roun
                      "vs_peer_default_adam": ratio(name, "FSDP2 + CPUOffloadPolicy")[0],
                      "vs_no_offload": ratio(name, base)[0] if base in slowest else None,
                      "peak": max(r[name]["peak"] for r in results), "device": r0["device"], "host": r0["host"],
-                     "nvme": r0["nvme"], "moved": r0["moved"], "rounds": len(slowest[name]),
+                     "nvme": r0["nvme"], "moved": r0["moved"], "spent": r0.get("spent"), "rounds": len(slowest[name]),
                      "backend": results[0]["device"]})
     return rows
 
@@ -399,4 +414,11 @@ def _format_offload_rows(rows: list[dict], world_size: int, d_model: int, layers
         lines.append(f"| {r['config']} | {r['ms']:.1f} | {med:.2f}x ({q1:.2f}-{q3:.2f}) | "
                      f"{r['vs_peer_default_adam']:.2f}x | {base} | {r['device'] / mib:.2f} | {r['host'] / mib:.2f} | "
                      f"{r['nvme'] / mib:.2f} | {r['peak'] / mib:.1f} | {moved if m else ''} |")
+    cols = ("forward", "backward", "step", "host Adam", "d2h + h2d", "NVMe I/O")
+    lines += ["", "Where zeroedu's step time goes (rank 0, mean ms per timed step; host Adam runs inside the step "
+              "phase, the gradient copies (d2h) on the comm thread during backward, NVMe I/O on its own thread)",
+              "| config | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for r in rows:
+        if r["spent"]:
+            lines.append(f"| {r['config']} | " + " | ".join(f"{r['spent'].get(c, 0.0):.1f}" for c in cols) + " |")
     return "\n".join(lines)
