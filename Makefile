@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(BIN)/ruff check zeroedu tests examples scripts
 	$(BIN)/python -m pytest -q tests
 ifneq ($(NOTEBOOKS),)
-	$(BIN)/python -m pytest -q --nbval --sanitize-with tests/nbval_sanitize.cfg $(NOTEBOOKS)
+	$(BIN)/python -m pytest -q --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(NOTEBOOKS)
 endif
 
 lint: $(STAMP)

@@ -4,7 +4,8 @@
     .venv/bin/python scripts/time_notebooks.py solutions/*.ipynb    # any notebooks
 
 Wall-clock seconds of the whole run (kernel start, every cell, the comparison with the saved outputs), the
-same command `make test` uses. Run it on a machine of the room to compare with docs/instructors.md.
+same command `make test` uses. The header shows the load average: wall time grows when other programs share
+the cores. Run it on a machine of the room to compare with docs/instructors.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def time_one(notebook: Path) -> tuple[float, str]:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval", "--sanitize-with",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval", "--nbval-sanitize-with",
            str(ROOT / "tests" / "nbval_sanitize.cfg"), str(notebook)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -34,7 +35,8 @@ def time_one(notebook: Path) -> tuple[float, str]:
 def main(argv: list[str]) -> int:
     notebooks = [Path(a) for a in argv] or sorted((ROOT / "notebooks").glob("*.ipynb"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    print(f"{platform.platform()}, {cores} cores, Python {platform.python_version()}\n")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"{platform.platform()}, {cores} cores, Python {platform.python_version()}, load average {load:.1f}\n")
     print("| notebook | nbval run (s) | result (cells) |\n|---|---|---|")
     failed = 0
     for nb in notebooks:
