@@ -41,7 +41,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-component-update", "--disable-sync"]
 SERVER_START_S = 30.0
 UI_TIMEOUT_MS = 30_000        # kernel start + `import zeroedu` (torch) on a busy 2-core machine
-RUN_ALL_TIMEOUT_MS = 120_000  # the whole notebook, run from the page (nbval takes ~10-20 s of it on 2 cores)
+RUN_ALL_TIMEOUT_MS = 180_000  # the whole notebook from the page: ~12 s here; nbval took 84 s of wall time at load 16
 
 # the notebook's calculator: memory_calculator(psi=7e9, world_size=1, stage=0, precision="bf16")
 PSI, N_START, STAGE_START, N_TYPED = 7_000_000_000, 1, 0, 64
@@ -70,7 +70,7 @@ def _skip_reason() -> str | None:
 
 
 pytestmark = [pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason())), pytest.mark.slow,
-              pytest.mark.timeout(240)]
+              pytest.mark.timeout(360)]
 
 
 def _free_port() -> int:
