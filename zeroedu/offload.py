@@ -64,10 +64,13 @@ from zeroedu.memory import resident
 
 CPU_ADAM = "fused"
 """Which torch Adam runs the host step: "fused" (one C++ kernel over every piece), "foreach" (vectorized ops over
-lists of tensors) or "loop" (one tensor at a time, torch's default on CPU). `cpu_adam_speed()` measures them:
-4M fp32 parameters, best of 6 steps taken in turns, over four runs on this busy 2-core machine: fused 51-116 ms,
-foreach 152-729 ms, loop 584-849 ms. Fused is always fastest; it differs from the loop by about one float32
-rounding (2e-7), foreach and loop agree bit for bit. Set it before `initialize`."""
+lists of tensors) or "loop" (one tensor at a time, torch's default on CPU). `cpu_adam_speed()` measures them, the
+implementations taking turns step by step, best of 5 steps, on this 2-core machine under a load average of 11-19:
+4M fp32 parameters in 8 tensors, 1 thread (as each of 2 launched ranks runs): fused 3.4 ms, loop 39 ms, foreach
+46 ms; 2 threads, over several runs: fused 15-59 ms, foreach 86-274 ms, loop 198-564 ms; 16M in 16 tensors: fused
+77-299 ms, foreach 913-1399 ms, loop 1494-1744 ms. Fused was the fastest in every run but one disturbed sample.
+It differs from the loop by about one float32 rounding (2e-7); foreach and loop agree bit for bit. Set it before
+`initialize`."""
 
 PREFIX = "zeroedu-offload-"
 MARKER = "owner.pid"
