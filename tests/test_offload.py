@@ -185,10 +185,44 @@ def resumed(rank: int, world: int, save: dict, load: dict, folder: str) -> dict:
     return {"losses": (want[0], got[0]), "params": (want[1], got[1])}
 
 
+def watched_prefetch(rank: int, world: int, path: str) -> dict:
+    """Stage 3 with parameters on NVMe: which units the stage prefetched, and on which thread each piece came from
+    its tier (observed by overriding two methods in a subclass of the engine's own class)."""
+    import threading
+
+    from zeroedu.models import shard_batch
+    from zeroedu.stages import engine_class
+
+    from reference import batch, loss_fn, make
+
+    config = zeroedu.load_config(cfg(3, "bf16", "cpu", "nvme", path=path))
+    log: dict[str, list] = {"prefetched": [], "pieces": []}
+
+    class Watched(engine_class(config)):
+        def prefetch(self, calls: range) -> None:
+            before = set(self.inflight)
+            super().prefetch(calls)
+            log["prefetched"] += [(self.global_step, u) for u in set(self.inflight) - before]
+
+        def param_piece(self, b):
+            main = threading.current_thread() is threading.main_thread()
+            log["pieces"].append((self.global_step, self.comm.phase, b.index, main))
+            return super().param_piece(b)
+
+    engine = Watched(make("gpt"), config)
+    for s in range(STEPS):
+        xs, ys = shard_batch(*batch("gpt", s, 8), rank, world)
+        engine.backward(loss_fn(engine(xs), ys))
+        engine.step()
+    engine.close()
+    return {**log, "units": len(engine.layout.buckets)}
+
+
 def many(rank: int, world: int, runs: list[tuple], path: str) -> dict:
     out = {key: run(rank, world, model, c, steps=2 if str(key[0]).startswith("mlp") else STEPS)   # mlp: bytes only
            for key, model, c in runs}
     out["fused"] = run(rank, world, "gpt", cfg(2, "fp32", "cpu"), adam="fused")
+    out["prefetch"] = watched_prefetch(rank, world, path)
     out["resume-nvme"] = resumed(rank, world, cfg(3, "bf16", "nvme", "nvme", path=path),
                                  cfg(3, "bf16", "nvme", "nvme", path=path), os.path.join(path, "ck1"))
     out["resume-cpu-to-nvme"] = resumed(rank, world, cfg(2, "fp32", "cpu"), cfg(2, "fp32", "nvme", path=path),
@@ -383,6 +417,19 @@ def test_transfer_bytes_per_step_equal_the_closed_forms(results):
     assert a["moved"][1] == {"d2h": 2 * 2 * a["shard"], "h2d": 2 * a["shard"]}   # stage 2: d2h every micro-step
     h = res[0]["hpz+param"]   # the backward gathers come from hpZ's secondary copy on the device: no h2d there
     assert h["moved_by_phase"] == {("forward", "h2d"): 4 * h["shard"], ("backward", "d2h"): 4 * h["shard"]}
+
+
+def test_parameter_offload_rides_the_prefetch(results):
+    """Each unit's piece comes from NVMe inside its gather's job on the comm thread, so the units the stage
+    prefetches (from the second forward on, once it knows the order) arrive from their tier early too."""
+    w = results[0][0]["prefetch"]
+    gathered = [(step, phase, u) for step, phase, u, main in w["pieces"] if phase in ("forward", "backward")]
+    assert all(not main for _, phase, _, main in w["pieces"] if phase in ("forward", "backward"))
+    for step in (1, 2):
+        early = {u for s, u in w["prefetched"] if s == step}
+        assert len(early) >= w["units"] // 2, (step, early)           # most units were fetched ahead of use
+        assert {u for s, _, u in gathered if s == step} == set(range(w["units"]))   # every unit came from NVMe
+        assert early <= {u for s, _, u in gathered if s == step}
 
 
 def test_nvme_host_buffers_do_not_grow_with_the_model(results):
