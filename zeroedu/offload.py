@@ -317,7 +317,7 @@ class OffloadMixin:
         if oc.device == "cpu":
             self.host_master = torch.empty(n, dtype=torch.float32, pin_memory=self._pin_opt)
             for b, m in zip(buckets, device_masters, strict=True):
-                self._copy(self.layout.piece_of_shard(self.host_master, b), m, "d2h")
+                self._copy(self.layout.piece_of_shard(self.host_master, b), m, "d2h", sync=True)
             pieces = [self.layout.piece_of_shard(self.host_master, b) for b in buckets]
         else:
             self.host_master = None
@@ -327,7 +327,7 @@ class OffloadMixin:
             self.state_files: dict[str, SwapFile] = {}
             for b, m in zip(buckets, device_masters, strict=True):
                 host = torch.empty(b.piece, dtype=torch.float32)
-                self._copy(host, m, "d2h")
+                self._copy(host, m, "d2h", sync=True)   # CUDA: done before the file write reads it
                 self._file_io("h2nvme", self.master_file, b.shard_start, host)
             # Expected state files are created (and their space reserved) now; others appear on first use.
             per = _state_bytes_per_element(self.config) // 4
@@ -355,7 +355,7 @@ class OffloadMixin:
         device_shard = self.param_shard
         if oc.device == "cpu":
             self.param_host, self.param_file = torch.empty(n, dtype=self.dtype, pin_memory=self._pin_param), None
-            self._copy(self.param_host, device_shard, "d2h")
+            self._copy(self.param_host, device_shard, "d2h", sync=True)
         else:
             self.param_host = None
             itemsize = device_shard.element_size()
