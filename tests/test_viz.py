@@ -223,3 +223,17 @@ def test_every_figure_shows_in_a_notebook():
     nbclient.NotebookClient(nb, kernel_name="python3", timeout=60).execute()
     for cell in nb.cells:
         assert [o for o in cell.outputs if "image/png" in o.get("data", {})], cell.source
+
+
+def test_grouped_bars_one_bar_per_series_with_labels():
+    fig = viz.grouped_bars({"stage 1": {"claimed": 0.0, "measured": 1.0}, "stage 3": {"claimed": 2.0, "measured": 1.5}},
+                           title="t", ylabel="x DDP", reference=1.0)
+    ax = fig.axes[0]
+    heights = {p.get_gid(): [] for p in ax.patches}
+    for p in ax.patches:
+        heights[p.get_gid()].append(p.get_height())
+    assert heights == {"series:claimed": [0.0, 2.0], "series:measured": [1.0, 1.5]}
+    assert [t.get_text() for t in ax.texts] == ["0", "2", "1", "1.5"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["stage 1", "stage 3"]
+    with pytest.raises(ValueError, match="nothing to draw"):
+        viz.grouped_bars({})

@@ -21,8 +21,8 @@ from matplotlib.ticker import FuncFormatter
 
 from zeroedu.memory import CATEGORIES
 
-__all__ = ["CATEGORY_COLORS", "OP_COLORS", "PHASE_COLORS", "alpha_beta_plot", "fmt_bytes", "ledger_bars",
-           "memory_bars", "ring_grid", "scaling_plot", "table", "timeline", "timeline_data"]
+__all__ = ["CATEGORY_COLORS", "OP_COLORS", "PHASE_COLORS", "alpha_beta_plot", "fmt_bytes", "grouped_bars",
+           "ledger_bars", "memory_bars", "ring_grid", "scaling_plot", "table", "timeline", "timeline_data"]
 
 # One colour per memory category, in stacking order: model states first (the paper's three, plus fp32 master
 # weights, which the paper counts inside K), then the "residual" memory that no model-state formula shows.
@@ -217,6 +217,35 @@ def ledger_bars(per_bar: Mapping[str, Mapping[str, float]], theory: Mapping[str,
             first = False
     ax.set_xticks(x, labels)
     ax.set_ylabel(f"bytes sent per rank ({name})")
+    ax.set_title(title)
+    _legend(ax)
+    _apply_axes_style(ax)
+    fig.tight_layout()
+    return fig
+
+
+def grouped_bars(groups: Mapping[str, Mapping[str, float]], title: str = "", ylabel: str = "",
+                 ax=None, reference: float | None = None) -> Figure:
+    """Side-by-side bars: one group per key of `groups` (e.g. "stage 1"), one bar per series inside it (e.g.
+    "claimed", "measured"), each labelled with its value. `reference` draws a dashed line at that height
+    (e.g. 1.0 for ratios to a baseline)."""
+    if not groups:
+        raise ValueError("grouped_bars: nothing to draw (groups is empty)")
+    labels = list(groups)
+    series = list(dict.fromkeys(k for g in groups.values() for k in g))
+    fig, ax = _new_axes(ax)
+    x = np.arange(len(labels))
+    width = 0.8 / len(series)
+    colors = ["#BBBBBB", "#4C72B0", "#DD8452", "#55A868", "#C44E52"]
+    for i, name in enumerate(series):
+        vals = [groups[g].get(name, np.nan) for g in labels]
+        bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, label=name,
+                      color=colors[i % len(colors)], edgecolor="white", linewidth=0.5, gid=f"series:{name}")
+        ax.bar_label(bars, labels=[f"{v:g}" for v in vals], fontsize=TICK_SIZE, padding=2)
+    if reference is not None:
+        ax.axhline(reference, color=THEORY_COLOR, lw=1, ls="--", zorder=0)
+    ax.set_xticks(x, labels)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     _legend(ax)
     _apply_axes_style(ax)
