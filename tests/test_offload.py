@@ -139,6 +139,9 @@ def runs_for(path: str) -> list[tuple]:
         ("quirky-none", "quirky", cfg(3, "fp32", accum=2, bucket=60, clip=0.05)),
         ("quirky-nvme", "quirky", cfg(3, "fp32", "nvme", "nvme", path=path, accum=2, bucket=60, clip=0.05)),
         # ZeRO++ composed with offload: hpZ's secondary copy serves the backward gathers instead of the host
+        # units below the persistence threshold stay whole on the device and are gathered after the step
+        ("persist", "gpt", cfg(3, "bf16", stage3_param_persistence_threshold=2000)),
+        ("persist+param", "gpt", cfg(3, "bf16", "cpu", "nvme", path=path, stage3_param_persistence_threshold=2000)),
         ("hpz", "gpt", cfg(3, "fp32", zero_hpz_partition_size=2)),
         ("hpz+param", "gpt", cfg(3, "fp32", "cpu", "cpu", zero_hpz_partition_size=2)),
         ("qwz+qgz", "gpt", cfg(3, "bf16", zero_quantized_weights=True, zero_quantized_gradients=True)),
@@ -244,7 +247,7 @@ def offloaded(res):
 # -- same numbers as without offload -----------------------------------------------------------------------------
 
 PAIRS = [("accum-cpu", "accum-none"), ("quirky-nvme", "quirky-none"), ("hpz+param", "hpz"),
-         ("qwz+qgz+offload", "qwz+qgz")]
+         ("qwz+qgz+offload", "qwz+qgz"), ("persist+param", "persist")]
 
 
 def same_run(a: dict, b: dict) -> bool:

@@ -608,10 +608,11 @@ class OffloadMixin:
         self._written_back = False
         self._sync_copies()
         self._wait_io()
-        if self.param_tier != "none":   # only the persistent units are whole on the device
-            for b in self.layout.buckets:
-                if b.index in self.persistent:
-                    self.comm.all_gather(self.gathered[b.index], self.param_piece(b), kind="params")
+        if self.param_tier != "none":   # only the persistent units are whole on the device: gathered as Stage3 does
+            kept = [b for b in self.layout.buckets if b.index in self.persistent]
+            for group in ([kept] if getattr(self, "coalesce", False) and kept else [[b] for b in kept]):
+                self.comm.all_gather_coalesced([self.gathered[b.index] for b in group],
+                                               [self.param_piece(b) for b in group])
             if getattr(self, "hpz", False):   # what ZeroPPMixin.publish does: hpZ's secondary copy is stale now
                 self._secondary_fresh.clear()
             return
