@@ -7,7 +7,9 @@ In a notebook:
 
 Modules: check (the check-cell helper), notebook (nbgrader cell conventions, stubs), build
 (`zeroedu build-exercises`), grader (`zeroedu grade`), ranks (running learner code on real ranks in a test),
-ring (the harness of the ring-collectives exercise), guard (the grader's file-system audit hook).
+ring (the harness of the ring-collectives exercise), training (a learner's piece of the engine trained on ranks
+against one process), engines (where exercises 3-8 plug into the engine, and their own checks), guard (the
+grader's file-system audit hook).
 """
 
 from zeroedu.grading.check import CheckFailed, check, describe_exception

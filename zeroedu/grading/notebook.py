@@ -162,11 +162,16 @@ def _check_points(source: str, points: float, where: str) -> None:
 
 def _stub_message(cell_source: str, line: int, text: str) -> str:
     """The marker's text, prefixed with the enclosing function's name, so a failing test names what to write."""
-    indent = len(cell_source.splitlines()[line]) - len(cell_source.splitlines()[line].lstrip())
-    for previous in reversed(cell_source.splitlines()[:line]):
+    lines = cell_source.splitlines()
+    indent = len(lines[line]) - len(lines[line].lstrip())
+    names: list[str] = []   # the enclosing def, then the classes around it: "Cls.method"
+    for previous in reversed(lines[:line]):
         m = _DEF.match(previous)
-        if m and len(m.group(1)) < indent:
-            return f"{m.group(3)}: {text or 'write its body (see the docstring)'}"
+        if m and len(m.group(1)) < indent and (not names or m.group(2) == "class"):
+            names.insert(0, m.group(3))
+            indent = len(m.group(1))
+    if names:
+        return f"{'.'.join(names)}: {text or 'write its body (see the docstring)'}"
     return text or "write this part (see the text above)"
 
 

@@ -1,0 +1,438 @@
+"""Test harness for exercises 3-8: a learner's piece of the engine trains on real gloo ranks, and is compared with
+a single-process run on the same global batch.
+
+    cases = [Case("MLP, 2 ranks", model="mlp", world_size=2, zero={"reduce_bucket_size": 400})]
+    run = train_on_ranks(engine_for_rank, cases, what="your stage 1")   # one launch per world size
+    run.check_trains()      # losses, gradients and fp32 weights equal the single-process reference
+    run.check_replicas()    # every rank's compute parameters equal the reference weights (all-gathered)
+
+`engine_for_rank(case)` runs on each rank and returns the engine class to build: a zeroedu stage with the
+learner's piece in it (a subclass the learner wrote, or an adapter in zeroedu.grading.engines that calls the
+learner's function where the real engine calls its own). The harness puts a thin recorder on top of that class:
+it notes the reduced gradient handed to the optimizer step, and nothing else.
+
+The reference (`reference(case)`) never touches the engine: the whole global batch in one process, fp32 master
+weights stepped by torch's own optimizer, the compute-dtype model copied from them after each step, exactly as
+mixed-precision training is written by hand. Each case fixes its data by (model, step), so every world size and
+every stage sees the same global batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zeroedu.config import load_config
+from zeroedu.grading.ranks import run_on_ranks
+from zeroedu.models import MLP, TinyGPT, TinyGPTConfig, gpt_batch, mlp_batch, shard_batch
+
+__all__ = ["Case", "Quirky", "TrainRun", "make_batch", "make_model", "reference", "train_on_ranks"]
+
+GPT = TinyGPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layer=1, n_head=2)
+MLP_SIZES = (12, 24, 24, 6)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Quirky(nn.Module):
+    """Every awkward case in one small model: a tied weight (embedding and head), a layer used twice in one
+    forward, a layer that never gets a gradient, and parameter counts no world size divides."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(13, 7)
+        self.twice = nn.Linear(7, 7)
+        self.unused = nn.Linear(3, 5)
+        self.head = nn.Linear(7, 13, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.twice(torch.tanh(self.twice(self.emb(idx)))))
+        return self.head(x)
+
+
+def make_model(name: str, seed: int = 0) -> nn.Module:
+    if name == "mlp":
+        return MLP(MLP_SIZES, seed=seed)
+    if name == "gpt":
+        return TinyGPT(GPT, seed=seed)
+    if name == "quirky":
+        return Quirky(seed)
+    raise ValueError(f"unknown model {name!r}: use 'mlp', 'gpt' or 'quirky'")
+
+
+def make_batch(name: str, step: int, n: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of a step (float inputs in the model's dtype)."""
+    if name == "mlp":
+        x, y = mlp_batch(step, n, MLP_SIZES)
+        return x.to(dtype), y
+    if name == "gpt":
+        return gpt_batch(step, n, GPT)
+    g = torch.Generator().manual_seed(7_919 + step)
+    x = torch.randint(0, 13, (n, 5), generator=g)
+    return x, (x * 3 + 1) % 13
+
+
+def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One training run: model, ranks, steps and the zero_optimization keys of the engine's config."""
+
+    name: str
+    model: str = "mlp"
+    world_size: int = 2
+    steps: int = 3
+    accum: int = 1
+    micro_batch: int = 2
+    precision: str = "fp32"
+    clip: float = 0.0
+    optimizer: str = "Adam"
+    lr: float = 1e-2
+    zero: dict = field(default_factory=dict)
+    engine: str = "yours"      # "yours": the class under test; "zeroedu": the engine's own, for comparison
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.world_size * self.accum
+
+    def config(self, stage: int) -> dict:
+        return {
+            "train_micro_batch_size_per_gpu": self.micro_batch,
+            "gradient_accumulation_steps": self.accum,
+            "gradient_clipping": self.clip,
+            "optimizer": {"type": self.optimizer, "params": {"lr": self.lr}},
+            "bf16": {"enabled": self.precision == "bf16"},
+            "fp16": {"enabled": self.precision == "fp16"},
+            "zero_optimization": {"stage": stage, "overlap_comm": False, **self.zero},
+        }
+
+
+# -- the reference: one process, the whole global batch ---------------------------------------------------------
+
+def reference(case: Case) -> dict[str, Any]:
+    """Losses, gradients of the global batch (fp32, per step) and weights after each step, in one process."""
+    model = make_model(case.model).to(DTYPES[case.precision])
+    named = list(dict(model.named_parameters()).items())          # a tied weight once, under its first name
+    master = [p.detach().float().clone().requires_grad_(True) for _, p in named]
+    opt_cls = {"Adam": torch.optim.Adam, "SGD": torch.optim.SGD}[case.optimizer]
+    opt = opt_cls(master, lr=case.lr)
+    out: dict[str, Any] = {"losses": [], "grads": [], "micro_grads": [], "weights": [], "params": []}
+    for step in range(case.steps):
+        x, y = make_batch(case.model, step, case.global_batch, DTYPES[case.precision])
+        out["micro_grads"].append(_micro_grads(model, named, case, x, y) if case.accum > 1 else [])
+        model.zero_grad(set_to_none=True)
+        loss = loss_of(model(x), y)
+        loss.backward()
+        grads = [p.grad.float() if p.grad is not None else torch.zeros_like(q) for (_, p), q in zip(named, master,
+                                                                                                     strict=True)]
+        coef = 1.0
+        if case.clip > 0:
+            norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
+            coef = min(1.0, case.clip / (norm + 1e-6))
+        for q, g in zip(master, grads, strict=True):
+            q.grad = g * coef
+        opt.step()
+        with torch.no_grad():
+            for (_, p), q in zip(named, master, strict=True):
+                p.copy_(q)
+        out["losses"].append(float(loss.detach()))
+        out["grads"].append({n: g.clone() for (n, _), g in zip(named, grads, strict=True)})
+        out["weights"].append({n: q.detach().clone() for (n, _), q in zip(named, master, strict=True)})
+        out["params"].append({n: p.detach().clone() for n, p in named})
+    return out
+
+
+def _micro_grads(model: nn.Module, named: list, case: Case, x: torch.Tensor, y: torch.Tensor) -> list[dict]:
+    """Each micro-step's share of the step's gradient (its slice of the global batch, divided by accum): what
+    a rank would hold if only that micro-step's gradient reached the optimizer."""
+    out = []
+    k = case.global_batch // case.accum
+    for micro in range(case.accum):
+        model.zero_grad(set_to_none=True)
+        (loss_of(model(x[micro * k:(micro + 1) * k]), y[micro * k:(micro + 1) * k]) / case.accum).backward()
+        out.append({n: p.grad.float().clone() if p.grad is not None else torch.zeros(p.shape) for n, p in named})
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+# -- on the ranks ----------------------------------------------------------------------------------------------
+
+class _Recorder:
+    """Put on top of the engine class under test: keeps a copy of the gradient each optimizer step receives."""
+
+    def optimizer_step(self, grads: list[torch.Tensor], coef: float) -> None:
+        self.recorded_grads.append([g.detach().float().clone() / self.scaler.scale for g in grads])
+        super().optimizer_step(grads, coef)
+
+
+def _layout_rows(engine: Any) -> list[dict]:
+    """Each bucket's place in the flat buffer and its parameters (name, offset, shape): the parent rebuilds full
+    tensors from per-rank pieces with it."""
+    return [dict(start=b.start, padded=b.padded, piece=b.piece,
+                 params=[(engine.names[p], off, tuple(shape)) for p, off, shape in zip(b.params, b.offsets, b.shapes,
+                                                                                      strict=True)])
+            for b in engine.layout.buckets]
+
+
+def _compute_params(engine: Any) -> dict[str, torch.Tensor]:
+    """This rank's compute-dtype parameters as they are now (stage 3: only those gathered now are non-empty)."""
+    return {engine.names[p]: p.detach().clone() for p in engine.layout.params}
+
+
+def _job(rank: int, n: int, cases: list[Case], engine_for_rank: Callable, extra: Callable | None) -> list[dict]:
+    out = []
+    for case in cases:
+        cls = engine_for_rank(case)
+        cls = type(cls.__name__, (_Recorder, cls), {"recorded_grads": None})
+        model = make_model(case.model)
+        engine = cls(model, load_config(case.config(cls.stage)))
+        engine.recorded_grads = []
+        losses, params = [], []
+        for step in range(case.steps):
+            x, y = make_batch(case.model, step, case.global_batch, engine.dtype)
+            total = 0.0
+            for micro in range(case.accum):
+                xb, yb = shard_batch(x, y, rank, n, micro, case.accum)
+                loss = loss_of(engine(xb), yb)
+                engine.backward(loss)
+                engine.step()
+                total += float(loss.detach()) / case.accum
+            losses.append(total)
+            params.append(_compute_params(engine))
+        row = dict(losses=losses, params=params, grads=engine.recorded_grads, sharded=engine.sharded,
+                   layout=_layout_rows(engine), ledger=[e for e in engine.ledger.rows() if e["phase"] != "init"],
+                   stage=engine.stage, dtype=str(engine.dtype).removeprefix("torch."))
+        row["weights"] = engine.master_state_dict()
+        if extra is not None:
+            row.update(extra(engine, case))
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
+        dist.barrier()
+        out.append(row)
+    return out
+
+
+def _full(layout: list[dict], pieces_by_rank: list[list[torch.Tensor]], sharded: bool) -> dict[str, torch.Tensor]:
+    """{name: tensor} from the pieces each rank holds (sharded: rank r holds piece r of every bucket)."""
+    numel = sum(b["padded"] for b in layout)
+    full = torch.zeros(numel, dtype=pieces_by_rank[0][0].dtype)
+    for i, b in enumerate(layout):
+        if sharded:
+            for r, pieces in enumerate(pieces_by_rank):
+                full[b["start"] + r * b["piece"]: b["start"] + (r + 1) * b["piece"]] = pieces[i].reshape(-1)
+        else:
+            full[b["start"]: b["start"] + b["padded"]] = pieces_by_rank[0][i].reshape(-1)
+    out = {}
+    for b in layout:
+        for name, off, shape in b["params"]:
+            k = math.prod(shape)
+            out[name] = full[b["start"] + off: b["start"] + off + k].reshape(shape)
+    return out
+
+
+# -- comparing ---------------------------------------------------------------------------------------------------
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (0 when both are zero)."""
+    a, b = a.double(), b.double()
+    den = float(b.norm())
+    num = float((a - b).norm())
+    return num / den if den > 0 else num
+
+
+def dict_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The relative distance over all tensors together, and the name of the tensor that is furthest off."""
+    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b)
+    den = sum(float(b[k].double().pow(2).sum()) for k in b)
+    worst = max(b, key=lambda k: rel(a[k], b[k]))
+    return (math.sqrt(num / den) if den > 0 else math.sqrt(num)), worst
+
+
+TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 5e-3}
+
+
+@dataclass
+class TrainRun:
+    """Per case: what every rank did (`ranks[case index][rank]`) and the single-process reference."""
+
+    what: str
+    cases: list[Case]
+    ranks: list[list[dict]] = field(default_factory=list)
+    refs: list[dict] = field(default_factory=list)
+    error: str | None = None
+
+    def ran(self) -> None:
+        if self.error:
+            raise AssertionError(self.error)
+
+    def grads(self, i: int, step: int) -> dict[str, torch.Tensor]:
+        rows = self.ranks[i]
+        return _full(rows[0]["layout"], [r["grads"][step] for r in rows], rows[0]["sharded"])
+
+    # -- checks --------------------------------------------------------------------------------------------------
+    def check_trains(self) -> None:
+        """Losses, the reduced gradient of every step and the fp32 weights equal the single-process run."""
+        self.ran()
+        for i, case in enumerate(self.cases):
+            self._check_case(i, case)
+
+    def _check_case(self, i: int, case: Case) -> None:
+        rows, ref = self.ranks[i], self.refs[i]
+        tol = TOLERANCE[case.precision]
+        where = f"{case.name}:"
+        steps = [len(r["grads"]) for r in rows]
+        if steps[0] != case.steps:
+            raise AssertionError(f"{where} the optimizer stepped {steps[0]} times in {case.steps} steps "
+                                 f"of {case.accum} micro-step(s); it steps once per accumulation boundary.")
+        for step in range(case.steps):
+            got, want = self.grads(i, step), ref["grads"][step]
+            d, worst = dict_rel(got, want)
+            if d > tol:
+                before = self.replica_problem(i, step - 1) if step > 0 else None
+                if before:
+                    raise AssertionError(f"{where} {before} So step {step} computed its gradient with wrong weights.")
+                raise AssertionError(where + " " + self.diagnose_grads(i, step, got, want, worst, d))
+        losses = [sum(r["losses"][s] for r in rows) / len(rows) for s in range(case.steps)]
+        for step, (a, b) in enumerate(zip(losses, ref["losses"], strict=True)):
+            if abs(a - b) > tol * max(1.0, abs(b)):
+                raise AssertionError(f"{where} the loss at step {step} is {a:.6f} averaged over ranks, one process "
+                                     f"on the whole batch gets {b:.6f}.")
+        d, worst = dict_rel(rows[0]["weights"], ref["weights"][-1])
+        if d > tol:
+            raise AssertionError(f"{where} after {case.steps} steps the fp32 master weights are {d:.2g} (relative) "
+                                 f"away from the single-process run's, most of all {worst!r}, although the "
+                                 "gradients were right: the optimizer step or the master weights went wrong.")
+
+    def diagnose_grads(self, i: int, step: int, got: dict, want: dict, worst: str, d: float) -> str:
+        case = self.cases[i]
+        n, tol = case.world_size, TOLERANCE[case.precision]
+        head = f"at step {step} the gradient the optimizer received"
+        ratio = _scale_of(got, want, tol)
+        if ratio is not None and n > 1 and abs(ratio - n) < 1e-2 * n:
+            return (f"{head} is {n} times the gradient of the whole batch: it is the sum over the {n} ranks. "
+                    "Average it: divide by N (average=True).")
+        for c, what in ((1, ""), (n, f", and {n} times too big (divide by N)")):
+            for m, micro in enumerate(self.refs[i]["micro_grads"][step]):
+                scaled = {k: v * c for k, v in micro.items()}
+                if dict_rel(got, scaled)[0] <= max(tol, 1e-4):
+                    return (f"{head} is only micro-step {m + 1}'s share of it (of {case.accum}){what}: the other "
+                            "micro-steps' reduced gradients were lost. Accumulate: add each micro-step's reduced "
+                            "gradient into the shard, do not overwrite it.")
+        zero = [k for k in want if float(got[k].abs().max()) == 0 and float(want[k].abs().max()) > 0]
+        if zero:
+            return (f"{head} is zero for {', '.join(repr(k) for k in zero[:3])}: these gradients never reached the "
+                    "optimizer (was their bucket reduced?).")
+        return (f"{head} is {d:.2g} (relative) away from the gradient of the whole batch in one process, most of all "
+                f"for {worst!r}.")
+
+    def check_replicas(self) -> None:
+        """After every step, every rank's compute-dtype parameters equal the reference weights."""
+        self.ran()
+        for i, case in enumerate(self.cases):
+            for step in range(case.steps):
+                problem = self.replica_problem(i, step)
+                if problem:
+                    raise AssertionError(f"{case.name}: {problem}")
+
+    def replica_problem(self, i: int, step: int) -> str | None:
+        """What is wrong with some rank's compute parameters after `step`, or None (also when a stage keeps no
+        full parameters between steps)."""
+        case, ref = self.cases[i], self.refs[i]
+        tol = TOLERANCE[case.precision]
+        want = ref["params"][step]
+        for rank, row in enumerate(self.ranks[i]):
+            got = row["params"][step]
+            if any(t.numel() == 0 for t in got.values()):
+                return None
+            d, worst = dict_rel(got, want)
+            if d > tol:
+                return (f"after step {step}, rank {rank}'s parameter {worst!r} is not the updated one"
+                        + self._stale(i, rank, step, worst))
+        return None
+
+    def _stale(self, i: int, rank: int, step: int, name: str) -> str:
+        """For a rank whose parameters are not the updated ones: were its own pieces updated, the others', or
+        neither? (Each rank owns piece r of every bucket of the flat buffer.)"""
+        case, row = self.cases[i], self.ranks[i][rank]
+        before = self.refs[i]["params"][step - 1] if step > 0 else _initial(case)
+        want = self.refs[i]["params"][step]
+        own, other = [], []          # did the elements the step moved change on this rank? its own, the others
+        for b in row["layout"]:
+            for pname, off, _ in b["params"]:
+                changed = (row["params"][step][pname].double() - before[pname].double()).reshape(-1) != 0
+                moved = (want[pname].double() - before[pname].double()).reshape(-1) != 0
+                where = torch.arange(off, off + changed.numel())
+                mine = (where // b["piece"] == rank) if row["sharded"] else torch.ones_like(moved)
+                own += changed[moved & mine].tolist()
+                other += changed[moved & ~mine].tolist()
+        if own and other and any(own) and not any(other):
+            return (": the elements this rank owns were updated, the others still hold their values from before "
+                    "the step. Each rank steps only its own piece; the other ranks' pieces reach it only through "
+                    "the all-gather after the step.")
+        if own and not any(own) and not any(other):
+            return (": none of its elements changed in the step. The updated fp32 master weights must be copied "
+                    "into the compute-dtype parameters (and, when sharded, all-gathered).")
+        return "."
+
+    def table(self) -> str:
+        if self.error:
+            return f"{self.what} did not run: {self.error}"
+        w = max(len(c.name) for c in self.cases) + 2
+        lines = [f"{'case':<{w}} {'step':>4} {'loss (ranks)':>13} {'loss (1 process)':>17}"]
+        for i, case in enumerate(self.cases):
+            rows, ref = self.ranks[i], self.refs[i]
+            for s in range(case.steps):
+                loss = sum(r["losses"][s] for r in rows) / len(rows)
+                lines.append(f"{case.name if s == 0 else '':<{w}} {s:>4} {loss:>13.5f} {ref['losses'][s]:>17.5f}")
+        return "\n".join(lines)
+
+    def sent(self, i: int, rank: int, op: str, kind: str, step: int | None = None) -> int:
+        return sum(e["sent_bytes"] for e in self.ranks[i][rank]["ledger"]
+                   if e["op"] == op and e["kind"] == kind and (step is None or e["step"] == step))
+
+
+def _initial(case: Case) -> dict[str, torch.Tensor]:
+    model = make_model(case.model).to(DTYPES[case.precision])
+    return {n: p.detach().clone() for n, p in dict(model.named_parameters()).items()}
+
+
+def _scale_of(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float) -> float | None:
+    """The c with got = c * want, if there is one (least squares, then checked)."""
+    num = sum(float((got[k].double() * want[k].double()).sum()) for k in want)
+    den = sum(float(want[k].double().pow(2).sum()) for k in want)
+    if den == 0:
+        return None
+    c = num / den
+    resid = math.sqrt(sum(float((got[k].double() - c * want[k].double()).pow(2).sum()) for k in want) / den)
+    return c if resid < max(1e-3, tol) * max(1.0, abs(c)) else None
+
+
+def train_on_ranks(engine_for_rank: Callable[[Case], type], cases: list[Case], what: str = "your code",
+                   extra: Callable | None = None, ref: bool = True) -> TrainRun:
+    """Train every case with the class engine_for_rank(case) returns, one launch per world size; reference
+    runs in this process. extra(engine, case) -> dict adds exercise-specific measurements to each rank's row."""
+    run = TrainRun(what, list(cases))
+    rows: dict[int, list] = {}
+    try:
+        for n in sorted({c.world_size for c in cases}):
+            mine = [i for i, c in enumerate(cases) if c.world_size == n]
+            per_rank = run_on_ranks(_job, n, args=([cases[i] for i in mine], engine_for_rank, extra), what=what)
+            for k, i in enumerate(mine):
+                rows[i] = [per_rank[r][k] for r in range(n)]
+    except AssertionError as e:
+        run.error = str(e)
+        return run
+    run.ranks = [rows[i] for i in range(len(cases))]
+    run.refs = [reference(c) if ref else {} for c in cases]
+    return run
