@@ -1,4 +1,4 @@
-"""zeroedu's ring collectives against gloo's own, and the ledger's byte counts against the ring formulas."""
+"""zeroedu's ring and direct collectives against gloo's own, and the ledger's byte counts against the formulas."""
 
 from __future__ import annotations
 
@@ -14,41 +14,49 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SIZES = (1, 7, 12, 1001)   # odd sizes; reduce-scatter / all-gather use size x N
 
 
+IMPLS = ("ring", "direct", "native", "auto")
+
+
 def compare(rank: int, world: int) -> list[tuple]:
+    """Every implementation against gloo's own collectives called directly, on small integers: sums are exact
+    in every dtype, so they must agree bit for bit."""
     from zeroedu.comm import Comm
 
-    ring = Comm(implementation="ring")
-    native = Comm(implementation="native")
+    comms = {impl: Comm(implementation=impl) for impl in IMPLS}
+    ring, native = comms["ring"], comms["native"]
     problems = []
     for dtype in DTYPES:
         for size in SIZES:
             g = torch.Generator().manual_seed(1000 * rank + size)
-            # Small integers: sums are exact in every dtype, so ring and gloo must agree bit for bit.
             x = torch.randint(-8, 8, (size * world,), generator=g).to(dtype)
-            a, b = x.clone(), x.clone()
-            ring.all_reduce(a, average=False)
-            native.all_reduce(b, average=False)
             ref = x.clone()
             dist.all_reduce(ref)
-            if not (torch.equal(a, ref) and torch.equal(b, ref)):
-                problems.append(("all_reduce", dtype, size))
-            out_r = torch.empty(size, dtype=dtype)
-            out_n = torch.empty(size, dtype=dtype)
-            ring.reduce_scatter(out_r, x.clone(), average=False)
-            native.reduce_scatter(out_n, x.clone(), average=False)
-            if not (torch.equal(out_r, ref.chunk(world)[rank]) and torch.equal(out_n, out_r)):
-                problems.append(("reduce_scatter", dtype, size))
             piece = x[:size].clone()
-            full_r = torch.empty(size * world, dtype=dtype)
-            full_n = torch.empty(size * world, dtype=dtype)
-            ring.all_gather(full_r, piece)
-            native.all_gather(full_n, piece)
             parts = [torch.empty(size, dtype=dtype) for _ in range(world)]
             dist.all_gather(parts, piece)
-            if not (torch.equal(full_r, torch.cat(parts)) and torch.equal(full_n, full_r)):
-                problems.append(("all_gather", dtype, size))
+            for impl, comm in comms.items():
+                a = x.clone()
+                comm.all_reduce(a, average=False)
+                if not torch.equal(a, ref):
+                    problems.append(("all_reduce", impl, dtype, size))
+                out = torch.empty(size, dtype=dtype)
+                comm.reduce_scatter(out, x.clone(), average=False)
+                if not torch.equal(out, ref.chunk(world)[rank]):
+                    problems.append(("reduce_scatter", impl, dtype, size))
+                full = torch.empty(size * world, dtype=dtype)
+                comm.all_gather(full, piece)
+                if not torch.equal(full, torch.cat(parts)):
+                    problems.append(("all_gather", impl, dtype, size))
+    # On random values the order of the additions shows: direct adds in the ring's order, to the same bits.
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(1000 * world, generator=torch.Generator().manual_seed(rank)).to(dtype)
+        a, b = torch.empty(1000, dtype=dtype), torch.empty(1000, dtype=dtype)
+        ring.reduce_scatter(a, x.clone())
+        comms["direct"].reduce_scatter(b, x.clone())
+        if not torch.equal(a, b):
+            problems.append(("direct vs ring bits", dtype))
     # Coalesced: several tensors of different sizes in one collective give what one collective each gives.
-    for comm in (ring, native):
+    for comm in (ring, comms["direct"], native):
         sizes = (3, 1, 8)
         ins = [torch.randint(-8, 8, (k * world,), generator=torch.Generator().manual_seed(rank * 10 + k)).float()
                for k in sizes]
@@ -77,7 +85,7 @@ def compare(rank: int, world: int) -> list[tuple]:
     if not torch.allclose(t, torch.full((5,), (world - 1) / 2)):
         problems.append(("average", t.tolist()))
     return [problems, [(e.op, e.impl, e.tensor_bytes, e.sent_bytes, e.sent_measured, e.group_size, e.numel)
-                       for e in ring.ledger]]
+                       for c in (ring, comms["direct"], comms["auto"]) for e in c.ledger]]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -91,16 +99,25 @@ def test_ring_equals_gloo(world):
 def test_ring_sent_bytes_are_measured_and_match_formula(world):
     """The ring counts the payloads it hands to isend; for sizes divisible by N that is exactly the formula."""
     _, ledger = zeroedu.launch(compare, world_size=world, timeout=200)[0]
-    seen = 0
+    seen = {"ring": 0, "direct": 0}
     for op, impl, tensor_bytes, sent, measured, n, numel in ledger:
-        if impl != "ring" or op not in {"all_reduce", "reduce_scatter", "all_gather"}:
+        if impl == "native" or op not in {"all_reduce", "reduce_scatter", "all_gather"}:
             continue
         assert measured and n == world
         steps = 2 * (world - 1) if op == "all_reduce" else world - 1
-        if numel % world == 0:
-            assert sent == steps * tensor_bytes // world, (op, tensor_bytes, sent)
-            seen += 1
-    assert seen > 20
+        if numel % world == 0:   # ring and direct: N-1 pieces of S/N per rank and phase
+            assert sent == steps * tensor_bytes // world, (op, impl, tensor_bytes, sent)
+            seen[impl] += 1
+    assert min(seen.values()) > 20, seen
+
+
+def test_auto_picks_by_op_and_size():
+    from zeroedu.comm import RING_FROM_BYTES, auto_implementation
+
+    assert auto_implementation("all_reduce", 1 << 30) == "native"
+    for op in ("reduce_scatter", "all_gather"):
+        assert auto_implementation(op, RING_FROM_BYTES - 1) == "direct"
+        assert auto_implementation(op, RING_FROM_BYTES) == "ring"
 
 
 def test_world_of_one_sends_nothing():

@@ -7,6 +7,7 @@ world size starts once and trains every configuration inside (tests/workers.py).
 from __future__ import annotations
 
 import pytest
+import torch
 
 import zeroedu
 from zeroedu import theory
@@ -188,3 +189,45 @@ def test_world_of_one_without_launch():
             "x,y=gpt_batch(0,2); l=gpt_loss(e(x),y); e.backward(l); e.step(); print('ok', e.world_size)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().endswith("ok 1"), out.stderr[-2000:]
+
+
+def test_stage3_coalescing_changes_the_collectives_not_the_result():
+    """Stage 3 gathers and reduces several units per collective; one collective per unit (coalesce = False)
+    must train to the same bits and send the same bytes, in more collectives."""
+    from workers import config
+
+    def both(rank, world):
+        import torch.distributed as dist
+
+        from zeroedu.config import load_config
+        from zeroedu.models import shard_batch
+        from zeroedu.stages import Stage3
+
+        from reference import batch, loss_fn, make
+
+        out = {}
+        for coalesce in (True, False):
+            cfg = load_config(config(3, accum=2, micro=1, persist=200))
+            engine = type("Stage3Under", (Stage3,), {"coalesce": coalesce})(make("gpt"), cfg)
+            losses = []
+            for s in range(3):
+                x, y = batch("gpt", s, 8)
+                for micro in range(2):
+                    xs, ys = shard_batch(x, y, rank, world, micro, 2)
+                    loss = loss_fn(engine(xs), ys)
+                    engine.backward(loss)
+                    engine.step()
+                    losses.append(float(loss))
+            moved = [e for e in engine.ledger.select(step=1) if e.kind in ("params", "grads")]
+            out[coalesce] = {"losses": losses, "params": engine.master_state_dict(),
+                             "bytes": engine.ledger.per_step(1), "collectives": len(moved),
+                             "units": len(engine.layout.buckets)}
+            dist.barrier()
+        return out
+
+    for r in zeroedu.launch(both, world_size=2, timeout=300):
+        one, each = r[True], r[False]
+        assert one["losses"] == each["losses"]
+        assert all(torch.equal(one["params"][k], each["params"][k]) for k in each["params"])
+        assert one["bytes"] == each["bytes"]
+        assert each["collectives"] >= 2 * one["collectives"], (one["collectives"], each["collectives"])

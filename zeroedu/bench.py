@@ -6,7 +6,12 @@ forward) and `True` (stage 3). Same model, data, optimizer and precision (fp32),
 Reports step-time ratios (zeroedu / peer; below 1.0 is faster), peak and resident bytes per rank and the
 bytes zeroedu's ledger counted. `--collectives` times zeroedu's ring collectives against gloo's own.
 
-Times are wall clock of gloo on this machine's CPU: they say nothing about NCCL on GPUs.
+Each stage runs in turn with its peer, one step each, the order alternating every round, on the same
+batches; warm-up steps are not timed; a step lasts as long as its slowest rank; the ratio is the median of
+the per-round ratios, so load that comes and goes on the machine hits both sides of a pair alike.
+
+Times are wall clock of the backend in use (gloo on this machine's CPU): gloo timings say nothing about NCCL
+on GPUs. With a GPU per rank, zeroedu.launch picks NCCL and both sides run on the GPUs.
 """
 
 from __future__ import annotations
@@ -25,14 +30,14 @@ def _workload(d_model: int, layers: int):
     return TinyGPTConfig(vocab_size=512, seq_len=64, d_model=d_model, n_layer=layers, n_head=4)
 
 
-def _peer_model(kind: str, cfg):
+def _peer_model(kind: str, cfg, device: torch.device):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from zeroedu.models import TinyGPT
 
-    model = TinyGPT(cfg, seed=0)
+    model = TinyGPT(cfg, seed=0).to(device)
     if kind in ("ddp", "zero_redundancy"):
         wrapped = DDP(model, bucket_cap_mb=25, gradient_as_bucket_view=True)
         if kind == "ddp":
@@ -64,16 +69,20 @@ PAIRS = [(0, "ddp", "DDP"), (1, "zero_redundancy", "ZeroRedundancyOptimizer"),
 MODEL_STATES = ("parameters", "gradients", "master_weights", "optimizer_state")
 
 
-def zeroedu_config(stage: int, micro_batch: int) -> dict:
-    """The benchmark's zeroedu config: buckets sized to the model (DESIGN.md), fp32 Adam as the peers use."""
+ZERO = {"reduce_bucket_size": 1_000_000, "stage3_prefetch_bucket_size": 1_000_000,
+        "stage3_max_live_parameters": 1_000_000_000, "stage3_param_persistence_threshold": 10_000}
+
+
+def zeroedu_config(stage: int, micro_batch: int, zero: dict | None = None) -> dict:
+    """The benchmark's zeroedu config: fp32 Adam as the peers use; buckets sized to the model (DESIGN.md),
+    about one transformer block of the default workload, as FSDP2 here moves one block at a time."""
     return {"train_micro_batch_size_per_gpu": micro_batch,
             "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 5_000_000,
-                                  "stage3_param_persistence_threshold": 10_000,
-                                  "stage3_prefetch_bucket_size": 5_000_000}}
+            "zero_optimization": {"stage": stage, **ZERO, **(zero or {})}}
 
 
-def _bench_rank(rank: int, world: int, d_model: int, layers: int, rounds: int, warmup: int, mb: int) -> dict:
+def _bench_rank(rank: int, world: int, d_model: int, layers: int, rounds: int, warmup: int, mb: int,
+                zero: dict) -> dict:
     """On every rank: each stage and its peer, one step each in turn (order alternating), same batches."""
     import torch.distributed as dist
 
@@ -83,11 +92,13 @@ def _bench_rank(rank: int, world: int, d_model: int, layers: int, rounds: int, w
     from zeroedu.models import TinyGPT, gpt_batch, gpt_loss, shard_batch
 
     cfg = _workload(d_model, layers)
-    batches = [shard_batch(*gpt_batch(s, mb * world, cfg), rank, world) for s in range(warmup + rounds + 1)]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    batches = [[t.to(device) for t in shard_batch(*gpt_batch(s, mb * world, cfg), rank, world)]
+               for s in range(warmup + rounds + 1)]
     out = {}
     for stage, peer, _ in PAIRS:
-        engine, *_ = zeroedu.initialize(model=TinyGPT(cfg, seed=0), config=zeroedu_config(stage, mb))
-        model, opt = _peer_model(peer, cfg)
+        engine, *_ = zeroedu.initialize(model=TinyGPT(cfg, seed=0), config=zeroedu_config(stage, mb, zero))
+        model, opt = _peer_model(peer, cfg, device)
 
         def z_step(x, y, engine=engine):
             engine.train_batch((x, y), gpt_loss)
@@ -105,6 +116,8 @@ def _bench_rank(rank: int, world: int, d_model: int, layers: int, rounds: int, w
                 dist.barrier()
                 t0 = time.perf_counter()
                 runs[who][0](*batches[r])
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 if r >= warmup:
                     times[who].append(time.perf_counter() - t0)
         row = {"times": times}
@@ -122,17 +135,18 @@ def _bench_rank(rank: int, world: int, d_model: int, layers: int, rounds: int, w
         row["sent_per_step"] = engine.ledger.per_step(warmup)["total"]
         out[stage] = row
         del engine, model, opt, runs
+    out["device"] = f"{dist.get_backend()} on {device.type.upper()}"
     return out
 
 
 def run(world_size: int = 2, d_model: int = 256, layers: int = 4, rounds: int = 10, warmup: int = 2,
-        micro_batch: int = 4) -> list[dict]:
+        micro_batch: int = 4, zero: dict | None = None) -> list[dict]:
     """Rows of the benchmark table. Per round, a step takes as long as its slowest rank; the ratio is the
     median over rounds of zeroedu's step time over the peer's in the same round (quartiles show the spread)."""
     import zeroedu
 
-    results = zeroedu.launch(_bench_rank, world_size=world_size,
-                             args=(d_model, layers, rounds, warmup, micro_batch), timeout=3600, hang_timeout=600)
+    results = zeroedu.launch(_bench_rank, world_size=world_size, timeout=3600, hang_timeout=600,
+                             args=(d_model, layers, rounds, warmup, micro_batch, zero or {}))
     rows = []
     for stage, _, label in PAIRS:
         rs = [r[stage] for r in results]
@@ -145,13 +159,14 @@ def run(world_size: int = 2, d_model: int = 256, layers: int = 4, rounds: int = 
                      "ratio_q1": q1, "ratio_q3": q3, "rounds": len(ratios),
                      "zeroedu_peak": max(r["zeroedu_peak"] for r in rs), "peer_peak": max(r["peer_peak"] for r in rs),
                      "zeroedu_states": rs[0]["zeroedu_states"], "theory_states": rs[0]["theory_states"],
-                     "peer_states": rs[0]["peer_states"], "sent_per_step": rs[0]["sent_per_step"]})
+                     "peer_states": rs[0]["peer_states"], "sent_per_step": rs[0]["sent_per_step"],
+                     "device": results[0]["device"]})
     return rows
 
 
 def format_rows(rows: list[dict], world_size: int, d_model: int, layers: int) -> str:
     mib = 1 << 20
-    lines = [f"TinyGPT d_model={d_model} layers={layers}, fp32 Adam, {world_size} gloo ranks on CPU, "
+    lines = [f"TinyGPT d_model={d_model} layers={layers}, fp32 Adam, {world_size} ranks, {rows[0]['device']}, "
              f"{rows[0]['rounds']} rounds",
              "| stage | peer | zeroedu ms | peer ms | ratio (quartiles) | zeroedu peak MiB | peer peak MiB | "
              "zeroedu model states MiB (theory) | peer states MiB | ledger MiB sent/step |",
@@ -167,23 +182,24 @@ def format_rows(rows: list[dict], world_size: int, d_model: int, layers: int) ->
 
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
+IMPLS = ("ring", "direct", "native")
 
 
 def _collective_rank(rank: int, world: int, sizes: list[int], repeats: int) -> dict:
-    """Per size and op, each repeat runs the ring then gloo's own (alternating which goes first)."""
+    """Per size and op, each repeat runs every implementation once (the order rotating)."""
     import torch.distributed as dist
 
     from zeroedu.comm import Comm
 
-    comms = {impl: Comm(implementation=impl) for impl in ("ring", "native")}
+    comms = {impl: Comm(implementation=impl) for impl in IMPLS}
     out = {}
     for numel in sizes:
         x = torch.ones(numel)
         piece = torch.ones(numel // world)
         for op in OPS:
-            times: dict[str, list[float]] = {"ring": [], "native": []}
+            times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
             for r in range(repeats + 1):   # the first repeat warms up
-                for impl in (("ring", "native") if r % 2 else ("native", "ring")):
+                for impl in IMPLS[r % len(IMPLS):] + IMPLS[: r % len(IMPLS)]:
                     comm = comms[impl]
                     dist.barrier()
                     t0 = time.perf_counter()
@@ -200,21 +216,23 @@ def _collective_rank(rank: int, world: int, sizes: list[int], repeats: int) -> d
 
 
 def collectives(world_size: int = 4, sizes_kib: tuple[float, ...] = (64 * 1024,), repeats: int = 5) -> str:
-    """Ring vs gloo, per op and tensor size: the measurement behind comm.AUTO_ON_GLOO."""
+    """zeroedu's ring and direct collectives vs gloo's own, per op and size: the measurement behind
+    comm.auto_implementation."""
     import zeroedu
 
     sizes = [max(world_size, int(kib * 1024) // 4 // world_size * world_size) for kib in sizes_kib]
     r = zeroedu.launch(_collective_rank, world_size=world_size, args=(sizes, repeats), timeout=1800)
-    lines = [f"fp32 tensors, {world_size} gloo ranks, median of {repeats} repeats, ring and gloo alternating "
+    lines = [f"fp32 tensors, {world_size} gloo ranks, median of {repeats} repeats, implementations taking turns "
              "(wall time on this CPU; a collective takes as long as its slowest rank)",
-             "| op | tensor KiB | zeroedu ring ms | gloo ms | ring / gloo |", "|---|---|---|---|---|"]
+             "| op | tensor KiB | ring ms | direct ms | gloo ms | ring / gloo | direct / gloo |",
+             "|---|---|---|---|---|---|---|"]
     for op in OPS:
         for numel in sizes:
-            ring = [max(t) for t in zip(*(x[numel, op]["ring"] for x in r), strict=True)]
-            nat = [max(t) for t in zip(*(x[numel, op]["native"] for x in r), strict=True)]
-            ratio = statistics.median(a / b for a, b in zip(ring, nat, strict=True))
-            lines.append(f"| {op} | {numel * 4 / 1024:g} | {1e3 * statistics.median(ring):.2f} | "
-                         f"{1e3 * statistics.median(nat):.2f} | {ratio:.2f}x |")
+            t = {impl: [max(x) for x in zip(*(rank[numel, op][impl] for rank in r), strict=True)] for impl in IMPLS}
+            ratio = {impl: statistics.median(a / b for a, b in zip(t[impl], t["native"], strict=True))
+                     for impl in IMPLS}
+            ms = " | ".join(f"{1e3 * statistics.median(t[impl]):.2f}" for impl in IMPLS)
+            lines.append(f"| {op} | {numel * 4 / 1024:g} | {ms} | {ratio['ring']:.2f}x | {ratio['direct']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -226,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=10, help="timed steps of each contender (after warm-up)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each contender first")
     ap.add_argument("--micro-batch", type=int, default=4)
+    for key, value in ZERO.items():
+        ap.add_argument("--" + key.removeprefix("stage3_").replace("_", "-"), dest=key, type=int, default=value,
+                        help=f"zero_optimization.{key} of zeroedu's config")
     ap.add_argument("--collectives", action="store_true", help="time ring vs gloo collectives instead")
     ap.add_argument("--kib", type=float, nargs="+", default=[64 * 1024], help="tensor sizes for --collectives")
     ap.add_argument("--repeats", type=int, default=5, help="repeats per size for --collectives")
@@ -235,13 +256,15 @@ def main(argv: list[str] | None = None) -> int:
         print(collectives(a.world_size, tuple(a.kib), a.repeats))
         return 0
     load = os.getloadavg()[0]
-    rows = run(a.world_size, a.d_model, a.layers, a.rounds, a.warmup, a.micro_batch)
+    zero = {key: getattr(a, key) for key in ZERO}
+    rows = run(a.world_size, a.d_model, a.layers, a.rounds, a.warmup, a.micro_batch, zero)
     print(format_rows(rows, a.world_size, a.d_model, a.layers))
     print(f"\nload average (1 min) before: {load:.2f}, after: {os.getloadavg()[0]:.2f}, on {os.cpu_count()} cores")
     if a.offload:
-        offload = _offload_rows(a.world_size, a.d_model, a.layers, micro_batch=a.micro_batch)
+        offload = _offload_rows(a.world_size, a.d_model, a.layers, a.rounds, a.warmup, a.micro_batch, zero)
         print("\n" + _format_offload_rows(offload, a.world_size, a.d_model, a.layers))
-    print("\nratio = zeroedu step time / peer step time (below 1.0: zeroedu is faster). gloo on CPU, not NCCL.")
+    print(f"\nratio = zeroedu step time / peer step time (below 1.0: zeroedu is faster), {rows[0]['device']}: "
+          "gloo timings on a CPU say nothing about NCCL on GPUs.")
     return 0
 
 

@@ -7,6 +7,9 @@ Two implementations of each collective:
 - "ring": written here on isend/irecv, one neighbour to the next. `sent_bytes` adds up the payloads this rank
   actually handed to isend (`sent_measured=True`). gloo's reduce-scatter is an all-reduce plus a slice
   (DESIGN.md), so on gloo the ring versions are also faster; `zeroedu bench --collectives` measures it.
+- "direct": every rank sends each other rank its piece at once. The same bytes per rank as the ring (counted
+  the same way), in one round instead of N-1: what small, latency-bound tensors want.
+- "auto": NCCL's own on GPUs; on gloo, per op and size, the fastest of the three as measured here.
 
 Collectives run on one worker thread per process, in submission order. That gives overlap (the main thread
 keeps computing backward while a bucket reduces) and keeps every rank's order of collectives identical,
@@ -26,9 +29,21 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-# "auto" on gloo: the faster of the two, as `zeroedu bench --collectives` measured here (16 MiB fp32, 4 ranks,
-# ring / gloo time): all-reduce 1.95x (gloo's own is faster), reduce-scatter 0.64x, all-gather 0.54x.
-AUTO_ON_GLOO = {"all_reduce": "native", "reduce_scatter": "ring", "all_gather": "ring"}
+# "auto" on gloo picks per op and size, from what `zeroedu bench --collectives` measured here (docs/benchmarks.md).
+# Small tensors are latency-bound: a ring stepped from Python pays N-1 rounds, the direct exchange one, and
+# direct took 0.55-1.5x of gloo's time below 16 MiB at 4 ranks (median 0.8x), the ring 0.84-2.2x. Large ones
+# are bandwidth-bound: the ring keeps one link per rank busy at a time, and at 64 MiB it takes 0.57x (2 ranks)
+# and 0.65x (4 ranks) of gloo's reduce-scatter time (an all-reduce plus a slice: twice the bytes the ledger
+# would claim) and 0.2-0.3x of its all-gather time. gloo's own all-reduce wins at every size but the largest.
+# Ring and direct both count their sent bytes from the sends, the same bytes for the same tensor.
+RING_FROM_BYTES = 16 << 20
+
+
+def auto_implementation(op: str, nbytes: int) -> str:
+    """What "auto" runs on gloo for a collective of `op` over a tensor of `nbytes` (the S of the formulas)."""
+    if op in ("reduce_scatter", "all_gather"):
+        return "ring" if nbytes >= RING_FROM_BYTES else "direct"
+    return "native"
 
 
 @dataclass
@@ -45,7 +60,7 @@ class LedgerEntry:
     sent_bytes: int          # bytes this rank sent (measured for "ring", ring volume for "native")
     sent_measured: bool
     impl: str
-    seconds: float           # wall time of the call on this rank (gloo on CPU here, not NCCL)
+    seconds: float           # wall time of the call on this rank (gloo: the collective; NCCL: enqueuing it)
     seq: int
     start: float = 0.0       # time.time() when it started, for per-rank timelines
 
@@ -162,8 +177,9 @@ class Comm:
         self.backend = dist.get_backend(group)
         if implementation == "auto" and self.backend != "gloo":
             implementation = "native"     # NCCL's own collectives
-        if implementation not in {"ring", "native", "auto"}:
-            raise ValueError(f"comm implementation must be 'auto', 'ring' or 'native', got {implementation!r}")
+        if implementation not in {"ring", "direct", "native", "auto"}:
+            raise ValueError(f"comm implementation must be 'auto', 'ring', 'direct' or 'native', got "
+                             f"{implementation!r}")
         self.implementation = implementation
         self.ledger = Ledger() if ledger is None else ledger
         self.name = name or ",".join(map(str, self.ranks))
@@ -284,15 +300,15 @@ class Comm:
         t0, wall0 = time.perf_counter(), time.time()
         impl = self.implementation
         if impl == "auto":
-            impl = AUTO_ON_GLOO.get(op, "native")
+            impl = auto_implementation(op, full.numel() * full.element_size())
         if op in {"broadcast", "all_to_all"}:
             impl = "native"
         if self.world_size == 1:
             sent = self._single(op, a, b)
             impl_used = impl
-        elif impl == "ring":
-            sent = getattr(self, f"_ring_{op}")(a, b)
-            impl_used = "ring"
+        elif impl in ("ring", "direct"):
+            sent = getattr(self, f"_{impl}_{op}")(a, b)
+            impl_used = impl
         else:
             sent = self._native(op, a, b, **kw)
             impl_used = "native"
@@ -304,7 +320,7 @@ class Comm:
             op=op, phase=phase, kind=kind, step=step, dtype=str(a.dtype).removeprefix("torch."),
             numel=full.numel(), group=self.ranks, group_size=self.world_size,
             tensor_bytes=full.numel() * full.element_size(), sent_bytes=int(sent),
-            sent_measured=impl_used == "ring" or self.world_size == 1, impl=impl_used, seconds=seconds,
+            sent_measured=impl_used != "native" or self.world_size == 1, impl=impl_used, seconds=seconds,
             seq=self._seq, start=wall0))
 
     def _single(self, op: str, a: torch.Tensor, b: torch.Tensor | None) -> int:
@@ -352,10 +368,11 @@ class Comm:
         # After n-1 steps the chunk we hold is chunk r, summed over every rank.
         partial = chunks[(r - 1) % n]
         recv = torch.empty_like(partial)
+        sums = [torch.empty_like(partial) for _ in range(min(2, n - 1))]   # the one being sent, the next one
         sent = 0
         for s in range(n - 1):
             sent += self._exchange(partial, recv)
-            partial = recv + chunks[(r - s - 2) % n]
+            partial = torch.add(recv, chunks[(r - s - 2) % n], out=sums[s % 2])
         out.reshape(-1).copy_(partial)
         return sent
 
@@ -385,6 +402,53 @@ class Comm:
             chunks[(r - s - 2) % n].add_(recv)
         for s in range(n - 1):   # all-gather in place: chunk r is complete, pass complete chunks on
             sent += self._exchange(chunks[(r - s) % n], chunks[(r - s - 1) % n])
+        if work is not flat:
+            flat.copy_(work[: flat.numel()])
+        return sent
+
+    # Direct algorithms: every rank exchanges its pieces with every other rank at once. Each rank sends what it
+    # sends in the ring, N-1 pieces of S/N, but in one round instead of N-1 (2(N-1) for all-reduce): cheaper
+    # where each round costs a fixed latency, as for small tensors; the ring uses one link per rank at a time.
+    def _exchange_all(self, sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> int:
+        """sends[k-1] goes to the rank k places to the right, recvs[k-1] comes from the rank k to the left."""
+        n, r = self.world_size, self.rank
+        works = []
+        for k, (send, recv) in enumerate(zip(sends, recvs, strict=True), start=1):
+            works.append(dist.irecv(recv, self.ranks[(r - k) % n], group=self.group))
+            works.append(dist.isend(send, self.ranks[(r + k) % n], group=self.group))
+        for w in works:
+            w.wait()
+        return sum(t.numel() * t.element_size() for t in sends)
+
+    def _direct_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> int:
+        n, r = self.world_size, self.rank
+        chunks = inp.reshape(-1).chunk(n)
+        recvs = [torch.empty_like(chunks[r]) for _ in range(n - 1)]
+        sent = self._exchange_all([chunks[(r + k) % n] for k in range(1, n)], recvs)
+        # Add in the ring's order (rank r+1's part first, our own last), so both give the same bits.
+        total = out.reshape(-1)
+        total.copy_(recvs[-1])
+        for part in [*reversed(recvs[:-1]), chunks[r]]:
+            total.add_(part)
+        return sent
+
+    def _direct_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> int:
+        n, r = self.world_size, self.rank
+        chunks = out.reshape(-1).chunk(n)
+        chunks[r].copy_(inp.reshape(-1))
+        return self._exchange_all([chunks[r]] * (n - 1), [chunks[(r - k) % n] for k in range(1, n)])
+
+    def _direct_all_reduce(self, t: torch.Tensor, _: torch.Tensor | None = None) -> int:
+        n, r = self.world_size, self.rank
+        flat = t.reshape(-1)
+        padded = -(-flat.numel() // n) * n
+        work = flat if (padded == flat.numel() and t.is_contiguous()) else torch.zeros(
+            padded, dtype=t.dtype, device=t.device)
+        if work is not flat:
+            work[: flat.numel()].copy_(flat)
+        mine = torch.empty_like(work.chunk(n)[r])
+        sent = self._direct_reduce_scatter(mine, work)
+        sent += self._direct_all_gather(work, mine)
         if work is not flat:
             flat.copy_(work[: flat.numel()])
         return sent

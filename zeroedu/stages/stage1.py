@@ -53,10 +53,14 @@ class Stage1(Stage0):
         return [self.layout.piece_of_shard(self.grad_shard, b) for b in self.layout.buckets]
 
     def publish(self) -> None:
+        gathers = []   # queued back to back on the comm thread; the next bucket's copy overlaps this gather
         for b, master, mine in zip(self.layout.buckets, self.master_pieces, self.param_shard_views, strict=True):
             if master.data_ptr() != mine.data_ptr():
                 mine.copy_(master)
-            self.comm.all_gather(self.layout.bucket_view(self.flat_params, b), mine, kind="params")
+            full = self.layout.bucket_view(self.flat_params, b)
+            gathers.append(self.comm.all_gather(full, mine, kind="params", async_op=True))
+        for handle in gathers:
+            handle.wait()
 
     def zero_grads(self) -> None:
         super().zero_grads()

@@ -31,7 +31,7 @@ from zeroedu.stages.stage2 import Stage2
 
 class Stage3(Stage2):
     stage = 3
-    coalesce = True   # False: one collective per unit (engine_class, for ZeRO++ which moves units one by one)
+    coalesce = True   # False: one collective per unit (same bytes, same result, many more collectives)
 
     def setup(self) -> None:
         zc = self.config.zero_optimization
