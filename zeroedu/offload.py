@@ -576,7 +576,10 @@ class OffloadMixin:
         """
         on_device = self.opt_tier == "none"   # offload_param alone: the step ran on the device
         if self.param_tier == "none":
-            value = torch.empty(b.piece, dtype=self.dtype, pin_memory=self._pin_opt).copy_(master)
+            if self._stream is None:   # a synchronous memcpy reads the master (or its cast) right away
+                value = master.to(self.dtype)
+            else:                      # an asynchronous copy needs a source of its own, pinned to be asynchronous
+                value = torch.empty(b.piece, dtype=self.dtype, pin_memory=self._pin_opt).copy_(master)
             self._copy(self._device_piece(b), value, "h2d")
         elif self.param_tier == "cpu":
             dst = self.layout.piece_of_shard(self.param_host, b)
