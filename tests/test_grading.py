@@ -226,6 +226,35 @@ def test_assemble_restores_tests_and_puts_back_hidden_and_deleted_cells():
     assert [i for i in order if i] == ids  # the solution's order, with the re-inserted cell in its place
 
 
+def test_overlap_check_names_each_mistake():
+    """Exercise 3's check of when buckets are reduced, on event sequences written out by hand."""
+    from zeroedu.grading.engines import _overlap_problem
+
+    buckets = [[0, 1], [2]]   # backward delivers parameter 2 first, then 1, then 0
+    good = [("backward", True), ("grad", 2), ("reduce", 1), ("grad", 1), ("grad", 0), ("reduce", 0), ("after",)]
+    assert _overlap_problem(good, buckets, 1) is None
+    assert _overlap_problem([("backward", False), ("grad", 2), ("grad", 1), ("grad", 0), ("after",)] + good,
+                            buckets, 2) is None
+    cases = {
+        "only after backward had ended": [("backward", True), ("grad", 2), ("grad", 1), ("grad", 0), ("after",),
+                                          ("reduce", 1), ("reduce", 0)],
+        "before its gradients for parameter(s) [0]": [("backward", True), ("grad", 2), ("reduce", 1), ("grad", 1),
+                                                       ("reduce", 0), ("grad", 0), ("after",)],
+        "bucket 1 was all-reduced 2 times": good + [("reduce", 1)],
+        "which is not the last micro-step": [("backward", False), ("grad", 2), ("reduce", 1), ("grad", 1),
+                                             ("grad", 0), ("reduce", 0), ("after",)] + good,
+    }
+    for words, events in cases.items():
+        problem = _overlap_problem(events, buckets, 2 if events[0] == ("backward", False) else 1)
+        assert problem and words in problem, (words, problem)
+    # Parameter 0 gets no gradient: its bucket can only be reduced after backward, and must be.
+    unused = [[0], [1]]
+    assert _overlap_problem([("backward", True), ("grad", 1), ("reduce", 1), ("after",), ("reduce", 0)], unused,
+                            1) is None
+    missing = _overlap_problem([("backward", True), ("grad", 1), ("reduce", 1), ("after",)], unused, 1)
+    assert "bucket 0 was all-reduced 0 times" in missing and "after_backward must reduce its bucket" in missing
+
+
 # -- grading with real kernels -------------------------------------------------------------------------------
 
 @pytest.mark.timeout(400)

@@ -121,7 +121,8 @@ class BucketHooksRun(TrainRun):
         self.ran()
         for i, case in enumerate(self.cases):
             row = self.ranks[i][0]
-            for problem in _overlap_problems(row["events"], row["buckets"], case.accum):
+            problem = _overlap_problem(row["events"], row["buckets"], case.accum)
+            if problem:
                 raise AssertionError(f"{case.name}: {problem}")
 
     def check_bytes(self) -> None:
@@ -150,9 +151,9 @@ class BucketHooksRun(TrainRun):
                            if reduced > full else "Some bucket was never reduced."))
 
 
-def _overlap_problems(events: list[tuple], buckets: list[list[int]], accum: int) -> list[str]:
+def _overlap_problem(events: list[tuple], buckets: list[list[int]], accum: int) -> str | None:
+    """What is wrong with the order of gradients and reductions in these events, or None."""
     of = {j: b for b, members in enumerate(buckets) for j in members}
-    problems: list[str] = []
     micro = -1
     k = 0
     while k < len(events):
@@ -169,31 +170,30 @@ def _overlap_problems(events: list[tuple], buckets: list[list[int]], accum: int)
         where = f"in backward {micro} (micro-step {micro % accum + 1} of {accum})"
         if not reduce_now:
             if reduced:
-                return [f"bucket {reduced[0]} was all-reduced {where}, which is not the last micro-step: only the "
+                return (f"bucket {reduced[0]} was all-reduced {where}, which is not the last micro-step: only the "
                         "last micro-step of an accumulation reduces (before_backward(reduce_now=False)); the "
-                        "others just add their gradients into .grad."]
+                        "others just add their gradients into .grad.")
             k = end
             continue
         for b in range(len(buckets)):
             times = reduced.count(b)
             if times != 1:
-                return [f"bucket {b} was all-reduced {times} times {where}: reduce every bucket exactly once per "
+                return (f"bucket {b} was all-reduced {times} times {where}: reduce every bucket exactly once per "
                         "backward that reduces" + (" (a parameter that gets no gradient never calls its hook: "
-                                                   "after_backward must reduce its bucket)." if times == 0 else ".")]
+                                                   "after_backward must reduce its bucket)." if times == 0 else "."))
         waiting = {b: len(m) for b, m in enumerate(buckets)}
         arrived: set[int] = set()
         due: list[int] = []          # complete buckets not reduced yet
-        done: set[int] = set()
         for j, e in enumerate(span):
             if e[0] == "grad":
                 if due:
                     b = due[0]
                     late = next((x for x, f in enumerate(span) if f == ("reduce", b)), len(span))
                     when = "only after backward had ended" if late > after else "only later"
-                    return [f"bucket {b} had all {len(buckets[b])} of its gradients {where}, but was all-reduced "
+                    return (f"bucket {b} had all {len(buckets[b])} of its gradients {where}, but was all-reduced "
                             f"{when}, not before the next gradient (parameter {e[1]}) arrived: reduce a bucket as "
                             "soon as its last gradient arrives, so that its communication overlaps the rest of "
-                            "backward."]
+                            "backward.")
                 arrived.add(e[1])
                 waiting[of[e[1]]] -= 1
                 if waiting[of[e[1]]] == 0:
@@ -204,13 +204,12 @@ def _overlap_problems(events: list[tuple], buckets: list[list[int]], accum: int)
                     due.remove(b)
                 elif waiting[b] > 0 and j < after:
                     missing = [p for p in buckets[b] if p not in arrived]
-                    return [f"bucket {b} was all-reduced {where} before its gradients for parameter(s) {missing} had "
-                            "arrived: wait until every parameter of the bucket has called its hook."]
-                done.add(b)
+                    return (f"bucket {b} was all-reduced {where} before its gradients for parameter(s) {missing} "
+                            "had arrived: wait until every parameter of the bucket has called its hook.")
         if due:
-            return [f"bucket {due[0]} was complete {where} but never reduced."]
+            return f"bucket {due[0]} was complete {where} but never reduced."
         k = end
-    return problems
+    return None
 
 
 def run_bucket_hooks(hooks_cls: type, cases: list[Case]) -> BucketHooksRun:
