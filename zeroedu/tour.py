@@ -19,7 +19,8 @@ DEFAULT = {
     "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
     "bf16": {"enabled": True},
     "zero_optimization": {"stage": 0, "reduce_bucket_size": 20_000, "overlap_comm": True,
-                          "stage3_param_persistence_threshold": 0},
+                          "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 20_000,
+                          "stage3_max_live_parameters": 40_000},
 }
 MODEL_STATES = ("parameters", "gradients", "master_weights", "optimizer_state")
 
