@@ -217,7 +217,7 @@ def _collective_rank(rank: int, world: int, sizes: list[int], repeats: int) -> d
 
 def collectives(world_size: int = 4, sizes_kib: tuple[float, ...] = (64 * 1024,), repeats: int = 5) -> str:
     """zeroedu's ring and direct collectives vs gloo's own, per op and size: the measurement behind
-    comm.auto_implementation."""
+    comm.AUTO_ON_GLOO."""
     import zeroedu
 
     sizes = [max(world_size, int(kib * 1024) // 4 // world_size * world_size) for kib in sizes_kib]

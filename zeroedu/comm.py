@@ -9,7 +9,7 @@ Two implementations of each collective:
   (DESIGN.md), so on gloo the ring versions are also faster; `zeroedu bench --collectives` measures it.
 - "direct": every rank sends each other rank its piece at once. The same bytes per rank as the ring (counted
   the same way), in one round instead of N-1: what small, latency-bound tensors want.
-- "auto": NCCL's own on GPUs; on gloo, per op and size, the fastest of the three as measured here.
+- "auto": NCCL's own on GPUs; on gloo, per op, what measured fastest here among those that count their bytes.
 
 Collectives run on one worker thread per process, in submission order. That gives overlap (the main thread
 keeps computing backward while a bucket reduces) and keeps every rank's order of collectives identical,
@@ -29,21 +29,14 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-# "auto" on gloo picks per op and size, from what `zeroedu bench --collectives` measured here (docs/benchmarks.md).
-# Small tensors are latency-bound: a ring stepped from Python pays N-1 rounds, the direct exchange one, and
-# direct took 0.55-1.5x of gloo's time below 16 MiB at 4 ranks (median 0.8x), the ring 0.84-2.2x. Large ones
-# are bandwidth-bound: the ring keeps one link per rank busy at a time, and at 64 MiB it takes 0.57x (2 ranks)
-# and 0.65x (4 ranks) of gloo's reduce-scatter time (an all-reduce plus a slice: twice the bytes the ledger
-# would claim) and 0.2-0.3x of its all-gather time. gloo's own all-reduce wins at every size but the largest.
-# Ring and direct both count their sent bytes from the sends, the same bytes for the same tensor.
-RING_FROM_BYTES = 16 << 20
-
-
-def auto_implementation(op: str, nbytes: int) -> str:
-    """What "auto" runs on gloo for a collective of `op` over a tensor of `nbytes` (the S of the formulas)."""
-    if op in ("reduce_scatter", "all_gather"):
-        return "ring" if nbytes >= RING_FROM_BYTES else "direct"
-    return "native"
+# "auto" on gloo, per op, from what `zeroedu bench --collectives` measured here (docs/benchmarks.md; 16 KiB to
+# 64 MiB, 2 and 4 ranks). Reduce-scatter and all-gather run "direct": at 4 ranks it took 0.38-0.59x of gloo's
+# reduce-scatter time (gloo's is an all-reduce plus a slice: twice the bytes) and 0.40-0.91x of its
+# all-gather time, never slower than the ring. At 2 ranks (one exchange, whatever the algorithm) gloo's own is
+# faster below about 1 MiB, where every collective is a fixed latency, and slower above; the direct exchange
+# keeps its sent bytes counted from the sends, which the ledger and the course need. gloo's own all-reduce
+# is as fast as anything here at 1 MiB and above, so all-reduce stays native.
+AUTO_ON_GLOO = {"all_reduce": "native", "reduce_scatter": "direct", "all_gather": "direct"}
 
 
 @dataclass
@@ -300,7 +293,7 @@ class Comm:
         t0, wall0 = time.perf_counter(), time.time()
         impl = self.implementation
         if impl == "auto":
-            impl = auto_implementation(op, full.numel() * full.element_size())
+            impl = AUTO_ON_GLOO.get(op, "native")
         if op in {"broadcast", "all_to_all"}:
             impl = "native"
         if self.world_size == 1:
