@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from zeroedu.grading.ranks import not_implemented
-from zeroedu.grading.training import TOLERANCE, Case, TrainRun, _full, dict_rel, train_on_ranks
+from zeroedu.grading.training import TOLERANCE, Case, TrainRun, assemble_full, dict_rel, train_on_ranks
 from zeroedu.stages import Stage0, Stage1, Stage2, Stage3
 
 __all__ = ["Case", "first_stub", "run_bucket_hooks", "run_offload", "run_qwz", "run_stage1", "run_stage2",
@@ -510,6 +510,9 @@ def run_stage3(cls: type, cases: list[Case]) -> Stage3Run:
 # == Exercise 8: qwZ's block quantization =========================================================================
 
 QUANT_CALLS = {"quantize": 0, "dequantize": 0}
+QWZ_BLOCK = 64
+"""The qwZ block size of the exercise's training runs (zeroedu's default is larger than a small model's units):
+every unit's piece then spans several blocks and most end in a shorter one."""
 
 
 def _patch_quantizer(quantize: Callable | None, dequantize: Callable | None) -> None:
@@ -542,9 +545,11 @@ def _patch_quantizer(quantize: Callable | None, dequantize: Callable | None) -> 
 
 def _qwz_engine(quantize: Callable, dequantize: Callable) -> Callable[[Case], type]:
     def engine_for_rank(case: Case) -> type:
+        from zeroedu import zeropp
         from zeroedu.config import load_config
         from zeroedu.stages import engine_class
 
+        zeropp.WEIGHT_BITS, zeropp.WEIGHT_BLOCK = 8, QWZ_BLOCK   # read by the engine when it is built
         if case.engine == "yours":
             _patch_quantizer(quantize, dequantize)
         else:
@@ -585,14 +590,17 @@ class QwzRun(Stage3Run):
                                          "inf (a block of zeros divided by a zero scale?).")
                 if abs(a - b) > 1e-3 * abs(b):
                     raise AssertionError(f"{case.name}: the loss at step {step} is {a:.6f} with your quantizer, "
-                                         f"{b:.6f} with the engine's: the weights the forward used differ.")
+                                         f"{b:.6f} with the engine's: the weights the forward used differ (each "
+                                         "block's scale is max|x| / 127 of that block).")
                 if abs(a - c) > 2e-2 * abs(c):
                     raise AssertionError(f"{case.name}: the loss at step {step} is {a:.6f}, unquantized training gets "
                                          f"{c:.6f}: more than 2% apart.")
             d, worst = dict_rel(self.ranks[i][0]["weights"], self.ranks[j][0]["weights"])
             if d > 1e-3:
                 raise AssertionError(f"{case.name}: after {case.steps} steps the weights are {d:.2g} (relative) away "
-                                     f"from the engine's own qwZ run, most of all {worst!r}.")
+                                     f"from the engine's own qwZ run, most of all {worst!r}: the forward computed "
+                                     "with weights your functions decoded differently (each block's scale is "
+                                     "max|x| / 127 of that block).")
 
     def check_bytes(self) -> None:
         """The parameter all-gathers send int8 codes plus one fp32 scale per block: the engine's own bytes."""
@@ -731,7 +739,7 @@ class OffloadRun(TrainRun):
                 if bad:
                     raise AssertionError(f"{case.name}, step {step}: the optimizer stepped with {bad[0]} gradients; "
                                          "the fp32 master weights take fp32 gradients: convert with .float().")
-                got = _full(rows[0]["layout"], pieces, True)
+                got = assemble_full(rows[0]["layout"], pieces, True)
                 grads = ref["grads"][step]
                 coef = 1.0
                 if case.clip > 0:

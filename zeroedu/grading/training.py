@@ -223,7 +223,8 @@ def _job(rank: int, n: int, cases: list[Case], engine_for_rank: Callable, extra:
     return out
 
 
-def _full(layout: list[dict], pieces_by_rank: list[list[torch.Tensor]], sharded: bool) -> dict[str, torch.Tensor]:
+def assemble_full(layout: list[dict], pieces_by_rank: list[list[torch.Tensor]],
+                  sharded: bool) -> dict[str, torch.Tensor]:
     """{name: tensor} from the pieces each rank holds (sharded: rank r holds piece r of every bucket)."""
     numel = sum(b["padded"] for b in layout)
     full = torch.zeros(numel, dtype=pieces_by_rank[0][0].dtype)
@@ -259,7 +260,10 @@ def dict_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[fl
     return (math.sqrt(num / den) if den > 0 else math.sqrt(num)), worst
 
 
-TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 5e-3}
+TOLERANCE = {"fp32": 1e-5, "bf16": 6e-2, "fp16": 1e-2}
+"""Relative distance (all tensors together) allowed from the single-process run. bf16: gradients summed in 16 bits
+over ranks and micro-steps differ from one process by up to 3% (measured: 0.3-2.9% on the cases here); the
+mistakes the checks look for (a missing 1/N, a lost micro-step, stale weights) are off by 30% or more."""
 
 
 @dataclass
@@ -278,7 +282,7 @@ class TrainRun:
 
     def grads(self, i: int, step: int) -> dict[str, torch.Tensor]:
         rows = self.ranks[i]
-        return _full(rows[0]["layout"], [r["grads"][step] for r in rows], rows[0]["sharded"])
+        return assemble_full(rows[0]["layout"], [r["grads"][step] for r in rows], rows[0]["sharded"])
 
     # -- checks --------------------------------------------------------------------------------------------------
     def check_trains(self) -> None:
@@ -347,18 +351,22 @@ class TrainRun:
 
     def replica_problem(self, i: int, step: int) -> str | None:
         """What is wrong with some rank's compute parameters after `step`, or None (also when a stage keeps no
-        full parameters between steps)."""
+        full parameters between steps). Replicas must be identical on every rank, bit for bit, and equal to the
+        single-process run's weights up to the precision's tolerance."""
         case, ref = self.cases[i], self.refs[i]
-        tol = TOLERANCE[case.precision]
+        rows = self.ranks[i]
+        if any(t.numel() == 0 for t in rows[0]["params"][step].values()):
+            return None
         want = ref["params"][step]
-        for rank, row in enumerate(self.ranks[i]):
+        for rank, row in enumerate(rows):
             got = row["params"][step]
-            if any(t.numel() == 0 for t in got.values()):
-                return None
+            differs = [k for k in got if not torch.equal(got[k], rows[0]["params"][step][k])]
             d, worst = dict_rel(got, want)
-            if d > tol:
-                return (f"after step {step}, rank {rank}'s parameter {worst!r} is not the updated one"
-                        + self._stale(i, rank, step, worst))
+            if differs or d > TOLERANCE[case.precision]:
+                name = max(differs, key=lambda k: rel(got[k], want[k])) if differs else worst
+                return (f"after step {step}, rank {rank}'s parameter {name!r} is not the updated one"
+                        + ("" if not differs or rank == 0 else " (it differs from rank 0's)")
+                        + self._stale(i, rank, step, name))
         return None
 
     def _stale(self, i: int, rank: int, step: int, name: str) -> str:
