@@ -146,7 +146,8 @@ def test_stub_keeps_indentation_and_says_what_to_write():
     exec(stub, namespace)
     with pytest.raises(NotImplementedError, match="f: add y"):
         namespace["f"](1)
-    method = "class Hooks:\n    def ready(self, p):\n        ### BEGIN SOLUTION: count it\n        pass\n        ### END SOLUTION"
+    method = ("class Hooks:\n    def ready(self, p):\n        ### BEGIN SOLUTION: count it\n        pass\n"
+              "        ### END SOLUTION")
     assert "raise NotImplementedError('Hooks.ready: count it')" in nbtools.strip_solutions(method)
     assert nbtools.strip_hidden("x = 1\n### BEGIN HIDDEN TESTS\nassert x == 1\n### END HIDDEN TESTS") == "x = 1"
     assert nbtools.strip_hidden("### BEGIN HIDDEN TESTS\nsecret()\n### END HIDDEN TESTS") == nbtools.HIDDEN_PLACEHOLDER
