@@ -7,8 +7,9 @@ Reports step-time ratios (zeroedu / peer; below 1.0 is faster), peak and residen
 bytes zeroedu's ledger counted. `--collectives` times zeroedu's ring collectives against gloo's own.
 
 Each stage runs in turn with its peer, one step each, the order alternating every round, on the same
-batches; warm-up steps are not timed; a step lasts as long as its slowest rank; the ratio is the median of
-the per-round ratios, so load that comes and goes on the machine hits both sides of a pair alike.
+batches; warm-up steps are not timed; a step lasts as long as its slowest rank. The ratio is the geometric
+mean of the per-round ratios: load that comes and goes on the machine hits both sides of a round alike, and
+with the order alternating, whatever going first costs or gains cancels out over an even number of rounds.
 
 Times are wall clock of the backend in use (gloo on this machine's CPU): gloo timings say nothing about NCCL
 on GPUs. With a GPU per rank, zeroedu.launch picks NCCL and both sides run on the GPUs.
@@ -142,7 +143,8 @@ def _bench_rank(rank: int, world: int, d_model: int, layers: int, rounds: int, w
 def run(world_size: int = 2, d_model: int = 256, layers: int = 4, rounds: int = 10, warmup: int = 2,
         micro_batch: int = 4, zero: dict | None = None) -> list[dict]:
     """Rows of the benchmark table. Per round, a step takes as long as its slowest rank; the ratio is the
-    median over rounds of zeroedu's step time over the peer's in the same round (quartiles show the spread)."""
+    geometric mean over rounds of zeroedu's step time over the peer's in the same round (quartiles of the
+    per-round ratios show the spread)."""
     import zeroedu
 
     results = zeroedu.launch(_bench_rank, world_size=world_size, timeout=3600, hang_timeout=600,
@@ -155,7 +157,7 @@ def run(world_size: int = 2, d_model: int = 256, layers: int = 4, rounds: int = 
         ratios = sorted(a / b for a, b in zip(z, p, strict=True))
         q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
         rows.append({"stage": stage, "peer": label, "zeroedu_ms": 1e3 * statistics.median(z),
-                     "peer_ms": 1e3 * statistics.median(p), "ratio": statistics.median(ratios),
+                     "peer_ms": 1e3 * statistics.median(p), "ratio": statistics.geometric_mean(ratios),
                      "ratio_q1": q1, "ratio_q3": q3, "rounds": len(ratios),
                      "zeroedu_peak": max(r["zeroedu_peak"] for r in rs), "peer_peak": max(r["peer_peak"] for r in rs),
                      "zeroedu_states": rs[0]["zeroedu_states"], "theory_states": rs[0]["theory_states"],
@@ -168,8 +170,8 @@ def format_rows(rows: list[dict], world_size: int, d_model: int, layers: int) ->
     mib = 1 << 20
     lines = [f"TinyGPT d_model={d_model} layers={layers}, fp32 Adam, {world_size} ranks, {rows[0]['device']}, "
              f"{rows[0]['rounds']} rounds",
-             "| stage | peer | zeroedu ms | peer ms | ratio (quartiles) | zeroedu peak MiB | peer peak MiB | "
-             "zeroedu model states MiB (theory) | peer states MiB | ledger MiB sent/step |",
+             "| stage | peer | zeroedu ms | peer ms | ratio: geometric mean (quartiles) | zeroedu peak MiB | "
+             "peer peak MiB | zeroedu model states MiB (theory) | peer states MiB | ledger MiB sent/step |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         at = "=" if r["zeroedu_states"] == r["theory_states"] else "!="

@@ -171,9 +171,8 @@ class Engine:
             return
         with self._phase("step"):
             grads = self.grad_pieces()
-            norm_sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-            for g in grads:
-                norm_sq += g.float().pow(2).sum()
+            # Squared norm of the pieces here (in fp32, without an fp32 copy of the gradient), summed over ranks.
+            norm_sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
             if self.sharded and self.world_size > 1:  # each rank holds part of the gradient
                 norm_sq = norm_sq.reshape(1)
                 self.comm.all_reduce(norm_sq, average=False, kind="scalar")
