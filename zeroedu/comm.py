@@ -90,13 +90,25 @@ class Ledger(list):
 
 
 class Handle:
-    """A collective (or a closure of them) running on the comm thread."""
+    """A collective (or a closure of them) running on the comm thread; or a native collective that
+    torch.distributed runs on its own threads (`work`), finished by `finish` at the first wait."""
 
-    def __init__(self) -> None:
+    def __init__(self, work=None, finish: Callable[[], None] | None = None) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._work, self._finish = work, finish
+        self._lock = threading.Lock()
 
     def wait(self) -> None:
+        if self._work is not None:
+            with self._lock:
+                if not self._done.is_set():
+                    try:
+                        self._work.wait()
+                        self._finish()
+                    except BaseException as e:
+                        self._error = e
+                    self._done.set()
         self._done.wait()
         if self._error is not None:
             raise self._error
@@ -142,6 +154,10 @@ class _Worker:
             self.pending += 1
         self.jobs.put((fn, h))
         return h
+
+    def idle(self) -> bool:
+        with self.count:
+            return self.pending == 0
 
     def run(self, fn: Callable[[], None]) -> None:
         """Run fn and return when it is done. With nothing queued or running, the caller runs it itself: the
@@ -302,72 +318,78 @@ class Comm:
              **kw) -> Handle | None:
         src = self.parent or self
         phase, step = src.phase, src.step
+        if async_op and self.world_size > 1 and self._implementation(op) == "native" and _worker().idle():
+            # torch.distributed runs it on its own threads: no hand-off to ours. Nothing is queued there, so
+            # the collectives still start in the order they were asked for.
+            return self._call(op, a, b, kind, phase, step, native_async=True, **kw)
         job = lambda: self._call(op, a, b, kind, phase, step, **kw)  # noqa: E731
         if async_op:
             return _worker().submit(job)
         _worker().run(job)
         return None
 
+    def _implementation(self, op: str) -> str:
+        if op in {"broadcast", "all_to_all"}:
+            return "native"
+        return AUTO_ON_GLOO.get(op, "native") if self.implementation == "auto" else self.implementation
+
     @torch.no_grad()
     def _call(self, op: str, a: torch.Tensor, b: torch.Tensor | None, kind: str, phase: str, step: int,
-              **kw) -> None:
+              native_async: bool = False, **kw) -> Handle | None:
         self._seq += 1
         full = b if op == "reduce_scatter" else a  # the "S" of the ring formulas
         sig = f"{op} {str(a.dtype).removeprefix('torch.')}[{full.numel()}] ({phase})"
         self.last = f"#{self._seq} {sig}"
         _report(f"waiting|{self.name}|{self._seq}|{sig}")
-        t0, wall0 = time.perf_counter(), time.time()
-        impl = self.implementation
-        if impl == "auto":
-            impl = AUTO_ON_GLOO.get(op, "native")
-        if op in {"broadcast", "all_to_all"}:
-            impl = "native"
+        t0, wall0, seq = time.perf_counter(), time.time(), self._seq
+        impl, work = self._implementation(op), None
         if self.world_size == 1:
             sent = self._single(op, a, b)
-            impl_used = impl
         elif impl in ("ring", "direct"):
             sent = getattr(self, f"_{impl}_{op}")(a, b)
-            impl_used = impl
         else:
-            sent = self._native(op, a, b, **kw)
-            impl_used = "native"
-        if kw.get("average") and self.world_size > 1:
-            a.div_(self.world_size)
-        seconds = time.perf_counter() - t0
-        _report(f"done|{self.name}|{self._seq}|{sig}")
-        self.ledger.append(LedgerEntry(
-            op=op, phase=phase, kind=kind, step=step, dtype=str(a.dtype).removeprefix("torch."),
-            numel=full.numel(), group=self.ranks, group_size=self.world_size,
-            tensor_bytes=full.numel() * full.element_size(), sent_bytes=int(sent),
-            sent_measured=impl_used != "native" or self.world_size == 1, impl=impl_used, seconds=seconds,
-            seq=self._seq, start=wall0))
+            sent, work = self._native(op, a, b, native_async, **kw)
+
+        def finish() -> None:
+            if kw.get("average") and self.world_size > 1:
+                a.div_(self.world_size)
+            _report(f"done|{self.name}|{seq}|{sig}")
+            self.ledger.append(LedgerEntry(
+                op=op, phase=phase, kind=kind, step=step, dtype=str(a.dtype).removeprefix("torch."),
+                numel=full.numel(), group=self.ranks, group_size=self.world_size,
+                tensor_bytes=full.numel() * full.element_size(), sent_bytes=int(sent),
+                sent_measured=impl != "native" or self.world_size == 1, impl=impl,
+                seconds=time.perf_counter() - t0, seq=seq, start=wall0))
+
+        if work is not None:
+            return Handle(work, finish)
+        finish()
+        return None
 
     def _single(self, op: str, a: torch.Tensor, b: torch.Tensor | None) -> int:
         if op in {"reduce_scatter", "all_gather", "all_to_all"}:
             a.copy_(b)
         return 0
 
-    def _native(self, op: str, a: torch.Tensor, b: torch.Tensor | None, **kw) -> int:
+    def _native(self, op: str, a: torch.Tensor, b: torch.Tensor | None, async_op: bool = False, **kw):
+        """torch.distributed's own collective; returns (the ring volume for the tensor, its Work if async)."""
         n, g = self.world_size, self.group
         size = (b if op == "reduce_scatter" else a)
         nbytes = size.numel() * size.element_size()
         if op == "all_reduce":
-            dist.all_reduce(a, group=g)
-            return 2 * (n - 1) * nbytes // n
+            return 2 * (n - 1) * nbytes // n, dist.all_reduce(a, group=g, async_op=async_op)
         if op == "reduce_scatter":
-            dist.reduce_scatter_single(a, b, group=g)
-            return (n - 1) * nbytes // n
+            return (n - 1) * nbytes // n, dist.reduce_scatter_single(a, b, group=g, async_op=async_op)
         if op == "all_gather":
             if b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr():
                 b = b.clone()  # the input may be this rank's chunk of the output; native needs them apart
-            dist.all_gather_single(a, b, group=g)
-            return (n - 1) * nbytes // n
+            return (n - 1) * nbytes // n, dist.all_gather_single(a, b, group=g, async_op=async_op)
         if op == "all_to_all":
-            dist.all_to_all_single(a, b, group=g)
-            return (n - 1) * nbytes // n
+            return (n - 1) * nbytes // n, dist.all_to_all_single(a, b, group=g, async_op=async_op)
         if op == "broadcast":
-            dist.broadcast(a, src=self.ranks[kw.get("src", 0)], group=g)
-            return nbytes if self.rank == kw.get("src", 0) else 0  # a tree or ring sends S at least once
+            src = kw.get("src", 0)
+            work = dist.broadcast(a, src=self.ranks[src], group=g, async_op=async_op)
+            return (nbytes if self.rank == src else 0), work   # a tree or ring sends S at least once
         raise ValueError(op)
 
     # Ring algorithms. Rank r sends to r+1 and receives from r-1, N-1 times per phase. Chunk c of the

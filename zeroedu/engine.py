@@ -171,14 +171,12 @@ class Engine:
             return
         with self._phase("step"):
             grads = self.grad_pieces()
-            # Squared norm of the pieces here (in fp32, without an fp32 copy of the gradient), summed over ranks.
-            norm_sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
-            if self.sharded and self.world_size > 1:  # each rank holds part of the gradient
-                norm_sq = norm_sq.reshape(1)
-                self.comm.all_reduce(norm_sq, average=False, kind="scalar")
-            norm = math.sqrt(float(norm_sq.sum())) / self.scaler.scale
+            clip = self.config.gradient_clipping
+            # The global gradient norm, where something needs it: clipping, and fp16's loss scaler (an inf or nan
+            # means overflow: skip the step). bf16 and fp32 steps are not checked, as in DeepSpeed and torch.
+            norm = self.global_grad_norm(grads) if clip > 0 or self.scaler.dynamic else None
             self.last_grad_norm = norm
-            overflow = not math.isfinite(norm)
+            overflow = norm is not None and not math.isfinite(norm)
             if overflow:
                 self.skipped_steps += 1
                 self.comm.ledger.append(LedgerEntry(
@@ -187,7 +185,6 @@ class Engine:
                     sent_measured=True, impl="-", seconds=0.0, seq=-1, start=time.time()))
             else:
                 coef = 1.0 / self.scaler.scale
-                clip = self.config.gradient_clipping
                 if clip > 0:
                     coef *= min(1.0, clip / (norm + 1e-6))
                 self.optimizer_step(grads, coef)
@@ -197,6 +194,15 @@ class Engine:
             self.wait()
         self.global_step += 1
         self.comm.step = self.global_step
+
+    def global_grad_norm(self, grads: list[torch.Tensor]) -> float:
+        """The L2 norm of the whole (unscaled) gradient: the pieces here, summed over ranks if sharded."""
+        # In fp32, without an fp32 copy of the gradient.
+        norm_sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
+        if self.sharded and self.world_size > 1:  # each rank holds part of the gradient
+            norm_sq = norm_sq.reshape(1)
+            self.comm.all_reduce(norm_sq, average=False, kind="scalar")
+        return math.sqrt(float(norm_sq.sum())) / self.scaler.scale
 
     def optimizer_step(self, grads: list[torch.Tensor], coef: float) -> None:
         """Step the master pieces with grads x coef (unscale and clip in one factor). Offload overrides it."""

@@ -72,7 +72,9 @@ class Stage0(Engine):
 
     def reduce_bucket(self, b: Bucket) -> None:
         grads = self.layout.bucket_view(self.flat_grads, b)
-        self.launch(lambda: self.comm.all_reduce(grads, average=True, kind="grads"))
+        handle = self.comm.all_reduce(grads, average=True, kind="grads", async_op=self.overlap)
+        if handle is not None:   # overlap: backward goes on; Engine.backward waits for it at the end
+            self._handles.append(handle)
 
     # -- step -------------------------------------------------------------------------------------------
     def grad_pieces(self) -> list[torch.Tensor]:
