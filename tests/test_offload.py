@@ -1,7 +1,7 @@
 """Offload (zeroedu/offload.py): CPU and NVMe tiers, on real gloo ranks and real files.
 
 References, none taken from the code under test: the same training without offload (bit for bit: offload
-changes where the bytes live, never the arithmetic, when the host runs torch's loop Adam, which is what the
+changes where the bytes live, never the arithmetic, when the host runs torch's fused Adam, which is what the
 engine runs on CPU without offload); a single-process run on the global batch; and the closed forms below,
 per rank, in bytes. S = this rank's shard (the padded layout / N elements), p = compute-dtype bytes (4 fp32,
 2 bf16), A = gradient-accumulation steps, m = the largest bucket piece, k = offload_optimizer's buffer_count,
@@ -68,7 +68,7 @@ def cfg(stage: int, precision: str = "fp32", opt: str = "none", param: str = "no
     }
 
 
-def run(rank: int, world: int, model: str, config: dict, steps: int = STEPS, adam: str = "loop") -> dict:
+def run(rank: int, world: int, model: str, config: dict, steps: int = STEPS, adam: str = "fused") -> dict:
     """Train; return losses, weights, memory by tier, the offload ledger, the layout, and what close() did."""
     import torch.distributed as dist
 
@@ -224,7 +224,7 @@ def watched_prefetch(rank: int, world: int, path: str) -> dict:
 def many(rank: int, world: int, runs: list[tuple], path: str) -> dict:
     out = {key: run(rank, world, model, c, steps=2 if str(key[0]).startswith("mlp") else STEPS)   # mlp: bytes only
            for key, model, c in runs}
-    out["fused"] = run(rank, world, "gpt", cfg(2, "fp32", "cpu"), adam="fused")
+    out["fused"] = run(rank, world, "gpt", cfg(2, "fp32", "cpu"), adam="loop")
     out["prefetch"] = watched_prefetch(rank, world, path)
     out["resume-nvme"] = resumed(rank, world, cfg(3, "bf16", "nvme", "nvme", path=path),
                                  cfg(3, "bf16", "nvme", "nvme", path=path), os.path.join(path, "ck1"))
@@ -291,7 +291,8 @@ def test_no_offload_runs_match_single_process(results):
 
 
 def test_fused_cpu_adam_within_rounding(results):
-    """Fused Adam computes the same update in another order: equal within float32 rounding, not bit for bit."""
+    """torch's loop Adam on the host computes the device's fused update in another order: equal within float32
+    rounding, not bit for bit."""
     res, _ = results
     r, base = res[0]["fused"], res[0][(2, "fp32", "none", "none")]
     assert rel(r["losses"], base["losses"]) < 1e-6

@@ -2,7 +2,8 @@
 
 Peers: DistributedDataParallel (stage 0), ZeroRedundancyOptimizer (stage 1), FSDP2 `fully_shard` with
 `reshard_after_forward=False` (stage 2: gradients and optimizer state sharded, parameters kept after
-forward) and `True` (stage 3). Same model, data, optimizer and precision (fp32), same ranks, same run.
+forward) and `True` (stage 3). Same model, data, optimizer (torch's fused Adam, which zeroedu's engine uses)
+and precision (fp32), same ranks, same run.
 Reports step-time ratios (zeroedu / peer; below 1.0 is faster), peak and resident bytes per rank and the
 bytes zeroedu's ledger counted. `--collectives` times zeroedu's ring collectives against gloo's own.
 
@@ -42,13 +43,14 @@ def _peer_model(kind: str, cfg, device: torch.device):
     if kind in ("ddp", "zero_redundancy"):
         wrapped = DDP(model, bucket_cap_mb=25, gradient_as_bucket_view=True)
         if kind == "ddp":
-            return wrapped, torch.optim.Adam(wrapped.parameters(), lr=1e-3)
-        return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+            return wrapped, torch.optim.Adam(wrapped.parameters(), lr=1e-3, fused=True)
+        return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3,
+                                                fused=True)
     reshard = kind == "fsdp2_reshard"
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
 
 
 def _peer_owned(model, opt):
