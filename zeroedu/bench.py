@@ -72,16 +72,24 @@ PAIRS = [(0, "ddp", "DDP"), (1, "zero_redundancy", "ZeroRedundancyOptimizer"),
 MODEL_STATES = ("parameters", "gradients", "master_weights", "optimizer_state")
 
 
-ZERO = {"reduce_bucket_size": 1_000_000, "stage3_prefetch_bucket_size": 1_000_000,
+DDP_BUCKET_MB = 25
+# zeroedu's knobs; None: sized like the peer's (see zeroedu_config).
+ZERO = {"reduce_bucket_size": None, "stage3_prefetch_bucket_size": None,
         "stage3_max_live_parameters": 1_000_000_000, "stage3_param_persistence_threshold": 10_000}
 
 
-def zeroedu_config(stage: int, micro_batch: int, zero: dict | None = None) -> dict:
-    """The benchmark's zeroedu config: fp32 Adam as the peers use; buckets sized to the model (DESIGN.md),
-    about one transformer block of the default workload, as FSDP2 here moves one block at a time."""
+def zeroedu_config(stage: int, micro_batch: int, zero: dict | None = None, block: int = 1_000_000) -> dict:
+    """The benchmark's zeroedu config: Adam in fp32 as the peers run it, buckets as big as the peer's. DDP
+    (the peer of stages 0 and 1) all-reduces buckets of DDP_BUCKET_MB; FSDP2 (stages 2 and 3, one
+    fully_shard per transformer block) reduce-scatters, and gathers, one block of `block` elements at a time."""
+    zero = {**ZERO, **{k: v for k, v in (zero or {}).items() if v is not None}}
+    if zero["reduce_bucket_size"] is None:
+        zero["reduce_bucket_size"] = DDP_BUCKET_MB * 2**20 // 4 if stage < 2 else block
+    if zero["stage3_prefetch_bucket_size"] is None:
+        zero["stage3_prefetch_bucket_size"] = block
     return {"train_micro_batch_size_per_gpu": micro_batch,
             "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-            "zero_optimization": {"stage": stage, **ZERO, **(zero or {})}}
+            "zero_optimization": {"stage": stage, **zero}}
 
 
 def _bench_rank(rank: int, world: int, d_model: int, layers: int, rounds: int, warmup: int, mb: int,
@@ -100,7 +108,8 @@ def _bench_rank(rank: int, world: int, d_model: int, layers: int, rounds: int, w
                for s in range(warmup + rounds + 1)]
     out = {}
     for stage, peer, _ in PAIRS:
-        engine, *_ = zeroedu.initialize(model=TinyGPT(cfg, seed=0), config=zeroedu_config(stage, mb, zero))
+        block = sum(p.numel() for p in TinyGPT(cfg, seed=0).blocks[0].parameters())
+        engine, *_ = zeroedu.initialize(model=TinyGPT(cfg, seed=0), config=zeroedu_config(stage, mb, zero, block))
         model, opt = _peer_model(peer, cfg, device)
 
         def z_step(x, y, engine=engine):
@@ -250,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch", type=int, default=4)
     for key, value in ZERO.items():
         ap.add_argument("--" + key.removeprefix("stage3_").replace("_", "-"), dest=key, type=int, default=value,
-                        help=f"zero_optimization.{key} of zeroedu's config")
+                        help=f"zero_optimization.{key} of zeroedu's config (default: "
+                             f"{'sized like the peer' if value is None else value})")
     ap.add_argument("--collectives", action="store_true", help="time ring vs gloo collectives instead")
     ap.add_argument("--kib", type=float, nargs="+", default=[64 * 1024], help="tensor sizes for --collectives")
     ap.add_argument("--repeats", type=int, default=5, help="repeats per size for --collectives")
@@ -260,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         print(collectives(a.world_size, tuple(a.kib), a.repeats))
         return 0
     load = os.getloadavg()[0]
-    zero = {key: getattr(a, key) for key in ZERO}
+    zero = {key: getattr(a, key) for key in ZERO if getattr(a, key) is not None}   # the knobs given
     rows = run(a.world_size, a.d_model, a.layers, a.rounds, a.warmup, a.micro_batch, zero)
     print(format_rows(rows, a.world_size, a.d_model, a.layers))
     print(f"\nload average (1 min) before: {load:.2f}, after: {os.getloadavg()[0]:.2f}, on {os.cpu_count()} cores")
