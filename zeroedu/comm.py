@@ -1,6 +1,6 @@
 """Counted collectives: every collective the engine runs goes through here and lands in the rank's ledger.
 
-Two implementations of each collective:
+Implementations of each collective:
 - "native": torch.distributed's own (NCCL's kernels on GPUs, gloo's on CPU). We cannot see what a native
   collective puts on the wire, so its `sent_bytes` is the ring algorithm's volume for that tensor
   (`sent_measured=False`): an algorithmic figure, not an observation.
@@ -8,12 +8,15 @@ Two implementations of each collective:
   actually handed to isend (`sent_measured=True`). gloo's reduce-scatter is an all-reduce plus a slice
   (DESIGN.md), so on gloo the ring versions are also faster; `zeroedu bench --collectives` measures it.
 - "direct": every rank sends each other rank its piece at once. The same bytes per rank as the ring (counted
-  the same way), in one round instead of N-1: what small, latency-bound tensors want.
+  the same way), in one round instead of N-1.
 - "auto": NCCL's own on GPUs; on gloo, per op, what measured fastest here among those that count their bytes.
 
-Collectives run on one worker thread per process, in submission order. That gives overlap (the main thread
-keeps computing backward while a bucket reduces) and keeps every rank's order of collectives identical,
-which is what makes them match up.
+Asynchronous collectives run on one worker thread per process, in submission order. That gives overlap (the
+main thread keeps computing backward while a bucket reduces) and keeps every rank's order of collectives
+identical, which is what makes them match up. Handing a collective to another thread costs about a
+millisecond on a busy CPU, so when that thread has nothing queued, a synchronous collective runs on the
+calling thread and a native one asked for asynchronously is started right there (torch.distributed runs it
+on its own threads): the order is the same either way.
 """
 
 from __future__ import annotations
@@ -343,6 +346,11 @@ class Comm:
         _report(f"waiting|{self.name}|{self._seq}|{sig}")
         t0, wall0, seq = time.perf_counter(), time.time(), self._seq
         impl, work = self._implementation(op), None
+        # Averaging: an all-reduce divides its input first (as DDP does: the division overlaps the transfer
+        # of earlier buckets), the other collectives their result (1/N of the size).
+        divide_first = kw.get("average") and self.world_size > 1 and op == "all_reduce"
+        if divide_first:
+            a.div_(self.world_size)
         if self.world_size == 1:
             sent = self._single(op, a, b)
         elif impl in ("ring", "direct"):
@@ -351,7 +359,7 @@ class Comm:
             sent, work = self._native(op, a, b, native_async, **kw)
 
         def finish() -> None:
-            if kw.get("average") and self.world_size > 1:
+            if kw.get("average") and self.world_size > 1 and not divide_first:
                 a.div_(self.world_size)
             _report(f"done|{self.name}|{seq}|{sig}")
             self.ledger.append(LedgerEntry(
