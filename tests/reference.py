@@ -10,36 +10,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from zeroedu.models import TinyGPT, gpt_batch, gpt_loss
+from zeroedu.models import Quirky, TinyGPT, gpt_batch, gpt_loss, quirky_batch
 
 LR = 1e-3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class Quirky(nn.Module):
-    """Every awkward case in one model: a tied weight, a layer used twice in one forward, a parameter that
-    never gets a gradient, a buffer, and parameter counts that no world size divides."""
-
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.emb = nn.Embedding(13, 7)
-        self.twice = nn.Linear(7, 7)
-        self.unused = nn.Linear(3, 5)
-        self.head = nn.Linear(7, 13, bias=False)
-        self.head.weight = self.emb.weight
-        self.register_buffer("shift", torch.linspace(-0.1, 0.1, 7))
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx) + self.shift
-        x = torch.tanh(self.twice(torch.tanh(self.twice(x))))
-        return self.head(x)
-
-
-def quirky_batch(step: int, batch: int):
-    g = torch.Generator().manual_seed(7_919 + step)
-    x = torch.randint(0, 13, (batch, 5), generator=g)
-    return x, (x * 3 + 1) % 13
 
 
 def make(model: str, seed: int = 0) -> nn.Module:

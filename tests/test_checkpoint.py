@@ -30,6 +30,7 @@ from zeroedu.checkpoint import CheckpointError
 from zeroedu.models import TinyGPT, TinyGPTConfig, shard_batch
 
 from reference import LR, batch, loss_fn, make, param_rel, rel, single_process
+from workers import run_steps
 
 pytestmark = pytest.mark.timeout(900)   # the fixtures' launches count toward the first test
 
@@ -68,19 +69,8 @@ def cfg(stage: int, world: int, precision: str = "fp32", accum: int = 1, persist
 
 
 def train(engine, model: str, rank: int, world: int, steps: int) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        x, y = batch(model, engine.global_step, 8)
-        total = torch.zeros(())
-        for micro in range(engine.accum):
-            xs, ys = shard_batch(x, y, rank, world, micro, engine.accum)
-            loss = loss_fn(engine(xs), ys)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        dist.all_reduce(total)
-        losses.append(float(total) / (world * engine.accum))
-    return losses
+    """`steps` more steps, on the batches that follow the engine's step counter (so a resumed run continues)."""
+    return run_steps(engine, model, rank, world, steps, first=engine.global_step)
 
 
 def full_state(engine) -> dict:

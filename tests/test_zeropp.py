@@ -213,12 +213,8 @@ def expected(sizes: list[int], run: Run) -> dict:
 # -- ranks --------------------------------------------------------------------------------------------------
 
 def train(rank: int, world: int, name: str) -> dict:
-    import torch.distributed as dist
-
-    from zeroedu.models import shard_batch
-
-    from reference import batch, loss_fn, make
-    from workers import config
+    from reference import make
+    from workers import config, run_steps
 
     run = RUNS[name]
     zeropp.NODE_SIZE = run.node
@@ -228,18 +224,7 @@ def train(rank: int, world: int, name: str) -> dict:
     engine, *_ = zeroedu.initialize(model=make(run.model), config=cfg)
     for knob, value in DEFAULTS.items():
         setattr(zeropp, knob, value)     # the engine read its knobs when it was built
-    losses = []
-    for s in range(run.steps):
-        x, y = batch(run.model, s, 8)
-        total = torch.zeros(())
-        for micro in range(run.accum):
-            xs, ys = shard_batch(x, y, rank, world, micro, run.accum)
-            loss = loss_fn(engine(xs), ys)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        dist.all_reduce(total)
-        losses.append(float(total) / (world * run.accum))
+    losses = run_steps(engine, run.model, rank, world, run.steps)
     out = {"losses": losses, "params": engine.master_state_dict(),
            "ledger": engine.ledger.select(step=2),
            "parameter_bytes": engine.memory()["resident"]["parameters"],

@@ -30,24 +30,7 @@ def train(rank: int, world: int, model: str, cfg: dict, steps: int = 4, global_b
           track_step: int | None = None) -> dict:
     """Train with zeroedu; return what the tests compare (losses are the global-batch mean)."""
     engine, *_ = zeroedu.initialize(model=make(model), config=cfg)
-    accum = cfg["gradient_accumulation_steps"]
-    losses = []
-    for s in range(steps):
-        x, y = batch(model, s, global_batch)
-        total = torch.zeros(())
-        tracking = engine.track_memory() if s == track_step else None
-        if tracking:
-            tracking.__enter__()
-        for micro in range(accum):
-            xs, ys = shard_batch(x, y, rank, world, micro, accum)
-            loss = loss_fn(engine(xs), ys)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        if tracking:
-            tracking.__exit__(None, None, None)
-        dist.all_reduce(total)   # outside the engine: not in its ledger
-        losses.append(float(total) / (world * accum))
+    losses = run_steps(engine, model, rank, world, steps, global_batch=global_batch, track_step=track_step)
     return {
         "losses": losses,
         "params": engine.master_state_dict(),
@@ -60,6 +43,31 @@ def train(rank: int, world: int, model: str, cfg: dict, steps: int = 4, global_b
         "skip_entries": len(engine.ledger.select(op="skipped_step")),
         "scale": engine.scaler.scale,
     }
+
+
+def run_steps(engine, model: str, rank: int, world: int, steps: int, first: int = 0, global_batch: int = 8,
+              track_step: int | None = None) -> list[float]:
+    """`steps` optimizer steps on the global batches first, first + 1, ... (each split over the ranks and the
+    engine's micro-steps); returns each step's loss, the global-batch mean. `track_step`: the step (counted from
+    0) whose memory the engine tracks."""
+    losses = []
+    for s in range(steps):
+        x, y = batch(model, first + s, global_batch)
+        total = torch.zeros(())
+        tracking = engine.track_memory() if s == track_step else None
+        if tracking:
+            tracking.__enter__()
+        for micro in range(engine.accum):
+            xs, ys = shard_batch(x, y, rank, world, micro, engine.accum)
+            loss = loss_fn(engine(xs), ys)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        if tracking:
+            tracking.__exit__(None, None, None)
+        dist.all_reduce(total)   # outside the engine: not in its ledger
+        losses.append(float(total) / (world * engine.accum))
+    return losses
 
 
 def many(rank: int, world: int, runs: list[tuple]) -> dict:

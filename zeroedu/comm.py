@@ -435,14 +435,24 @@ class Comm:
             sent += self._exchange(chunks[(r - s) % n], chunks[(r - s - 1) % n])
         return sent
 
+    def _padded_all_reduce(self, t: torch.Tensor, in_place: Callable[[torch.Tensor], int]) -> int:
+        """Run an in-place all-reduce algorithm on t, through a zero-padded copy when t's length is not a
+        multiple of N (or t is not contiguous); returns the bytes it sent."""
+        n = self.world_size
+        padded = -(-t.numel() // n) * n
+        if padded == t.numel() and t.is_contiguous():
+            return in_place(t.view(-1))
+        work = torch.zeros(padded, dtype=t.dtype, device=t.device)
+        work[: t.numel()].copy_(t.reshape(-1))
+        sent = in_place(work)
+        t.copy_(work[: t.numel()].view(t.shape))
+        return sent
+
     def _ring_all_reduce(self, t: torch.Tensor, _: torch.Tensor | None = None) -> int:
+        return self._padded_all_reduce(t, self._ring_all_reduce_in_place)
+
+    def _ring_all_reduce_in_place(self, work: torch.Tensor) -> int:
         n, r = self.world_size, self.rank
-        flat = t.reshape(-1)
-        padded = -(-flat.numel() // n) * n
-        work = flat if (padded == flat.numel() and t.is_contiguous()) else torch.zeros(
-            padded, dtype=t.dtype, device=t.device)
-        if work is not flat:
-            work[: flat.numel()].copy_(flat)
         chunks = work.chunk(n)
         recv = torch.empty_like(chunks[0])
         sent = 0
@@ -451,8 +461,6 @@ class Comm:
             chunks[(r - s - 2) % n].add_(recv)
         for s in range(n - 1):   # all-gather in place: chunk r is complete, pass complete chunks on
             sent += self._exchange(chunks[(r - s) % n], chunks[(r - s - 1) % n])
-        if work is not flat:
-            flat.copy_(work[: flat.numel()])
         return sent
 
     # Direct algorithms: every rank exchanges its pieces with every other rank at once. Each rank sends what it
@@ -488,16 +496,8 @@ class Comm:
         return self._exchange_all([chunks[r]] * (n - 1), [chunks[(r - k) % n] for k in range(1, n)])
 
     def _direct_all_reduce(self, t: torch.Tensor, _: torch.Tensor | None = None) -> int:
-        n, r = self.world_size, self.rank
-        flat = t.reshape(-1)
-        padded = -(-flat.numel() // n) * n
-        work = flat if (padded == flat.numel() and t.is_contiguous()) else torch.zeros(
-            padded, dtype=t.dtype, device=t.device)
-        if work is not flat:
-            work[: flat.numel()].copy_(flat)
-        mine = torch.empty_like(work.chunk(n)[r])
-        sent = self._direct_reduce_scatter(mine, work)
-        sent += self._direct_all_gather(work, mine)
-        if work is not flat:
-            flat.copy_(work[: flat.numel()])
-        return sent
+        return self._padded_all_reduce(t, self._direct_all_reduce_in_place)
+
+    def _direct_all_reduce_in_place(self, work: torch.Tensor) -> int:
+        mine = torch.empty_like(work.chunk(self.world_size)[self.rank])
+        return self._direct_reduce_scatter(mine, work) + self._direct_all_gather(work, mine)

@@ -268,7 +268,8 @@ def check_cores(cores: int | None = None) -> Result:
                   "give the machine (VM, container: --cpus) at least 2 cores", data)
 
 
-def _available_memory() -> int | None:
+def available_memory() -> int | None:
+    """Bytes of memory free for new processes: Linux's MemAvailable, else (macOS) the physical memory."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -283,7 +284,7 @@ def _available_memory() -> int | None:
 
 
 def check_memory(available_bytes: int | None = None, world_size: int = WORLD_SIZE) -> Result:
-    available = _available_memory() if available_bytes is None else available_bytes
+    available = available_memory() if available_bytes is None else available_bytes
     need = (world_size * RANK_GB + NOTEBOOK_GB) * 2**30
     assumed = f"{world_size} ranks x {RANK_GB} GB + {NOTEBOOK_GB} GB notebook and JupyterLab = {need / 2**30:.2f} GB"
     data = {"available_bytes": available, "needed_bytes": int(need),

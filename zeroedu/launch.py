@@ -451,26 +451,18 @@ def _choose_backend(backend: str, local_ranks: int) -> str:
     return backend
 
 
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _check_memory(world_size: int) -> None:
-    available = _mem_available()
+    from zeroedu.doctor import available_memory  # the doctor's own figure; that module needs no torch
+
+    available = available_memory()
     need = world_size * MEMORY_PER_RANK_GB * 2**30
     if available is not None and need > available:
         fits = max(1, int(available // (MEMORY_PER_RANK_GB * 2**30)))
         raise LaunchError(
             f"world_size={world_size} is more ranks than this machine can start: each rank is a process of "
             f"about {MEMORY_PER_RANK_GB} GB (an estimate), {need / 2**30:.0f} GB in all, but only "
-            f"{available / 2**30:.1f} GB is available (MemAvailable in /proc/meminfo). Use world_size <= {fits}; "
+            f"{available / 2**30:.1f} GB is available (MemAvailable in /proc/meminfo, else the physical "
+            f"memory). Use world_size <= {fits}; "
             "for more ranks use several machines with torchrun.")
 
 

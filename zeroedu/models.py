@@ -3,8 +3,9 @@
 TinyGPT is a small decoder-only transformer whose output head shares its weight with the token embedding
 (weight tying, as in GPT-2): the one parameter is used at the start and at the end of every forward, which
 is exactly the case a ZeRO-3 implementation must get right. The MLP is the simplest model with several
-layers. Both build the same weights on every rank from a seed, and the data is a function of (seed, step),
-so every stage and every world size sees the same global batch.
+layers. Quirky is tiny and puts every awkward case for a ZeRO engine in one model (the tests and the
+exercise grader train it). All build the same weights on every rank from a seed, and the data is a function
+of (seed, step), so every stage and every world size sees the same global batch.
 """
 
 from __future__ import annotations
@@ -97,6 +98,33 @@ class MLP(nn.Module):
             if i < len(self.layers) - 1:
                 x = torch.relu(x)
         return x
+
+
+class Quirky(nn.Module):
+    """Every awkward case in one small model: a tied weight (embedding and head), a layer used twice in one
+    forward, a layer that never gets a gradient, a buffer, and parameter counts no world size divides."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(13, 7)
+        self.twice = nn.Linear(7, 7)
+        self.unused = nn.Linear(3, 5)
+        self.head = nn.Linear(7, 13, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("shift", torch.linspace(-0.1, 0.1, 7))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) + self.shift
+        x = torch.tanh(self.twice(torch.tanh(self.twice(x))))
+        return self.head(x)
+
+
+def quirky_batch(step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quirky's global batch of one step: 5 tokens per sample, the target a fixed function of each token."""
+    g = torch.Generator().manual_seed(7_919 + step)
+    x = torch.randint(0, 13, (batch, 5), generator=g)
+    return x, (x * 3 + 1) % 13
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

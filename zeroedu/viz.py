@@ -132,6 +132,28 @@ def _theory_marker(ax, x: float, y: float, width: float, label: str | None) -> L
     return line
 
 
+def _finish_axes(fig: Figure, ax, x, labels: Sequence[str], ylabel: str, title: str) -> Figure:
+    ax.set_xticks(x, labels)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    _legend(ax)
+    _apply_axes_style(ax)
+    fig.tight_layout()
+    return fig
+
+
+def _finish_bars(fig: Figure, ax, labels: list[str], theory: Mapping[str, float] | None, scale: float, width: float,
+                 theory_label: str, ylabel: str, title: str) -> Figure:
+    """A theory marker on each bar that has a value (the legend names the first), then ticks, labels, style."""
+    x = np.arange(len(labels))
+    first = True
+    for i, b in enumerate(labels):
+        if theory and b in theory and theory[b] is not None:
+            _theory_marker(ax, x[i], theory[b] / scale, width * 1.15, theory_label if first else None)
+            first = False
+    return _finish_axes(fig, ax, x, labels, ylabel, title)
+
+
 def memory_bars(per_bar: Mapping[str, Mapping[str, float]], theory: Mapping[str, float] | None = None,
                 title: str = "Memory per rank, by category", unit: str | None = None, ax=None,
                 categories: Sequence[str] | None = None, theory_label: str = "theory") -> Figure:
@@ -160,18 +182,7 @@ def memory_bars(per_bar: Mapping[str, Mapping[str, float]], theory: Mapping[str,
         ax.bar(x, vals, width, bottom=bottom, label=c.replace("_", " "), color=CATEGORY_COLORS.get(c, "#999999"),
                edgecolor="white", linewidth=0.5)
         bottom += vals
-    first = True
-    for i, b in enumerate(labels):
-        if theory and b in theory and theory[b] is not None:
-            _theory_marker(ax, x[i], theory[b] / scale, width * 1.15, theory_label if first else None)
-            first = False
-    ax.set_xticks(x, labels)
-    ax.set_ylabel(f"bytes per rank ({name})")
-    ax.set_title(title)
-    _legend(ax)
-    _apply_axes_style(ax)
-    fig.tight_layout()
-    return fig
+    return _finish_bars(fig, ax, labels, theory, scale, width, theory_label, f"bytes per rank ({name})", title)
 
 
 def _split_key(key: str) -> tuple[str, str]:
@@ -210,18 +221,7 @@ def ledger_bars(per_bar: Mapping[str, Mapping[str, float]], theory: Mapping[str,
         ax.bar(x, vals, width, bottom=bottom, label=k.replace("_", "-"), color=OP_COLORS.get(op, "#999999"),
                hatch=hatches.get(phase, ""), edgecolor="white", linewidth=0.5)
         bottom += vals
-    first = True
-    for i, b in enumerate(labels):
-        if theory and b in theory and theory[b] is not None:
-            _theory_marker(ax, x[i], theory[b] / scale, width * 1.15, "theory" if first else None)
-            first = False
-    ax.set_xticks(x, labels)
-    ax.set_ylabel(f"bytes sent per rank ({name})")
-    ax.set_title(title)
-    _legend(ax)
-    _apply_axes_style(ax)
-    fig.tight_layout()
-    return fig
+    return _finish_bars(fig, ax, labels, theory, scale, width, "theory", f"bytes sent per rank ({name})", title)
 
 
 def grouped_bars(groups: Mapping[str, Mapping[str, float]], title: str = "", ylabel: str = "",
@@ -244,13 +244,7 @@ def grouped_bars(groups: Mapping[str, Mapping[str, float]], title: str = "", yla
         ax.bar_label(bars, labels=[f"{v:g}" for v in vals], fontsize=TICK_SIZE, padding=2)
     if reference is not None:
         ax.axhline(reference, color=THEORY_COLOR, lw=1, ls="--", zorder=0)
-    ax.set_xticks(x, labels)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    _legend(ax)
-    _apply_axes_style(ax)
-    fig.tight_layout()
-    return fig
+    return _finish_axes(fig, ax, x, labels, ylabel, title)
 
 
 def timeline_data(engine, since: float | None = None, step: int | None = None) -> dict:

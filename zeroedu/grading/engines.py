@@ -434,6 +434,14 @@ class Stage3Run(TrainRun):
         return next((j for j, c in enumerate(self.cases) if c.engine == "zeroedu" and c.model == case.model and
                      c.world_size == case.world_size and c.zero == case.zero), None)
 
+    def _yours_with_pair(self):
+        """(i, case, j) for each run of your code that has the engine's own run j to compare with."""
+        self.ran()
+        for i, case in enumerate(self.cases):
+            j = self._pair(i)
+            if case.engine == "yours" and j is not None:
+                yield i, case, j
+
     def check_memory(self) -> None:
         """Gathered parameters: after the first step (which records the order of modules) the peak is no higher
         than the engine's own stage 3 on the same model, and nothing stays gathered after a step."""
@@ -471,11 +479,7 @@ class Stage3Run(TrainRun):
 
     def check_bytes(self) -> None:
         """Parameter all-gathers per step: the engine's own count and bytes (forward and backward, each unit once)."""
-        self.ran()
-        for i, case in enumerate(self.cases):
-            j = self._pair(i)
-            if case.engine != "yours" or j is None:
-                continue
+        for i, case, j in self._yours_with_pair():
             for step in range(case.steps):
                 (a, sa), (b, sb) = _gathers(self.ranks[i][0], step), _gathers(self.ranks[j][0], step)
                 if (a, sa) != (b, sb):
@@ -573,11 +577,7 @@ class QwzRun(Stage3Run):
     def check_trains(self) -> None:
         """Training with your quantizer: the same losses and weights as the engine's own qwZ (to rounding of the
         codes), and losses within 2% of unquantized training in one process."""
-        self.ran()
-        for i, case in enumerate(self.cases):
-            j = self._pair(i)
-            if case.engine != "yours" or j is None:
-                continue
+        for i, case, j in self._yours_with_pair():
             calls = self.ranks[i][0]["quant_calls"]
             if not calls["quantize"] or not calls["dequantize"]:
                 raise AssertionError(f"{case.name}: your functions were never called (the engine no longer calls "
@@ -604,11 +604,7 @@ class QwzRun(Stage3Run):
 
     def check_bytes(self) -> None:
         """The parameter all-gathers send int8 codes plus one fp32 scale per block: the engine's own bytes."""
-        self.ran()
-        for i, case in enumerate(self.cases):
-            j = self._pair(i)
-            if case.engine != "yours" or j is None:
-                continue
+        for i, case, j in self._yours_with_pair():
             for step in range(case.steps):
                 sa, sb = _gathers(self.ranks[i][0], step)[1], _gathers(self.ranks[j][0], step)[1]
                 if sa != sb:

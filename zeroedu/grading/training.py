@@ -31,31 +31,13 @@ import torch.nn.functional as F
 
 from zeroedu.config import load_config
 from zeroedu.grading.ranks import run_on_ranks
-from zeroedu.models import MLP, TinyGPT, TinyGPTConfig, gpt_batch, mlp_batch, shard_batch
+from zeroedu.models import MLP, Quirky, TinyGPT, TinyGPTConfig, gpt_batch, mlp_batch, quirky_batch, shard_batch
 
 __all__ = ["Case", "Quirky", "TrainRun", "make_batch", "make_model", "reference", "train_on_ranks"]
 
 GPT = TinyGPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layer=1, n_head=2)
 MLP_SIZES = (12, 24, 24, 6)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class Quirky(nn.Module):
-    """Every awkward case in one small model: a tied weight (embedding and head), a layer used twice in one
-    forward, a layer that never gets a gradient, and parameter counts no world size divides."""
-
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.emb = nn.Embedding(13, 7)
-        self.twice = nn.Linear(7, 7)
-        self.unused = nn.Linear(3, 5)
-        self.head = nn.Linear(7, 13, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = torch.tanh(self.twice(torch.tanh(self.twice(self.emb(idx)))))
-        return self.head(x)
 
 
 def make_model(name: str, seed: int = 0) -> nn.Module:
@@ -75,9 +57,7 @@ def make_batch(name: str, step: int, n: int, dtype: torch.dtype = torch.float32)
         return x.to(dtype), y
     if name == "gpt":
         return gpt_batch(step, n, GPT)
-    g = torch.Generator().manual_seed(7_919 + step)
-    x = torch.randint(0, 13, (n, 5), generator=g)
-    return x, (x * 3 + 1) % 13
+    return quirky_batch(step, n)
 
 
 def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
