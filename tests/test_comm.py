@@ -79,6 +79,15 @@ def compare(rank: int, world: int) -> list[tuple]:
         if [(e.op, e.tensor_bytes) for e in entries] != [("reduce_scatter", 4 * world * sum(sizes)),
                                                           ("all_gather", 4 * world * sum(sizes))]:
             problems.append(("coalesced ledger", [(e.op, e.tensor_bytes) for e in entries]))
+    # A non-contiguous tensor (a transposed matrix) gets its result too, through the padded copy.
+    for impl in ("ring", "direct"):
+        g = torch.Generator().manual_seed(rank)
+        t = torch.randint(-8, 8, (3, world + 1), generator=g).float().t()
+        ref = t.contiguous()
+        dist.all_reduce(ref)
+        Comm(implementation=impl).all_reduce(t, average=False)
+        if not torch.equal(t, ref):
+            problems.append(("non-contiguous all_reduce", impl))
     # Averaging divides by N after the sum.
     t = torch.full((5,), float(rank))
     ring.all_reduce(t, average=True)
