@@ -142,10 +142,9 @@ def _finish_axes(fig: Figure, ax, x, labels: Sequence[str], ylabel: str, title: 
     return fig
 
 
-def _finish_bars(fig: Figure, ax, labels: list[str], theory: Mapping[str, float] | None, scale: float, width: float,
-                 theory_label: str, ylabel: str, title: str) -> Figure:
+def _finish_bars(fig: Figure, ax, x, labels: list[str], theory: Mapping[str, float] | None, scale: float,
+                 width: float, theory_label: str, ylabel: str, title: str) -> Figure:
     """A theory marker on each bar that has a value (the legend names the first), then ticks, labels, style."""
-    x = np.arange(len(labels))
     first = True
     for i, b in enumerate(labels):
         if theory and b in theory and theory[b] is not None:
@@ -182,7 +181,7 @@ def memory_bars(per_bar: Mapping[str, Mapping[str, float]], theory: Mapping[str,
         ax.bar(x, vals, width, bottom=bottom, label=c.replace("_", " "), color=CATEGORY_COLORS.get(c, "#999999"),
                edgecolor="white", linewidth=0.5)
         bottom += vals
-    return _finish_bars(fig, ax, labels, theory, scale, width, theory_label, f"bytes per rank ({name})", title)
+    return _finish_bars(fig, ax, x, labels, theory, scale, width, theory_label, f"bytes per rank ({name})", title)
 
 
 def _split_key(key: str) -> tuple[str, str]:
@@ -221,7 +220,7 @@ def ledger_bars(per_bar: Mapping[str, Mapping[str, float]], theory: Mapping[str,
         ax.bar(x, vals, width, bottom=bottom, label=k.replace("_", "-"), color=OP_COLORS.get(op, "#999999"),
                hatch=hatches.get(phase, ""), edgecolor="white", linewidth=0.5)
         bottom += vals
-    return _finish_bars(fig, ax, labels, theory, scale, width, "theory", f"bytes sent per rank ({name})", title)
+    return _finish_bars(fig, ax, x, labels, theory, scale, width, "theory", f"bytes sent per rank ({name})", title)
 
 
 def grouped_bars(groups: Mapping[str, Mapping[str, float]], title: str = "", ylabel: str = "",
