@@ -171,7 +171,7 @@ def test_planner_bytes_equal_a_live_ledger_and_calibrate_from_it():
     link = planner.calibrate(rows, source="two gloo ranks")
     assert link.alpha_s >= 0 and link.beta_bytes_per_s > 0
     assert f"fit to {len(rows)} collectives from two gloo ranks" in link.describe()
-    # How close the prediction comes to the clock is shown in notebook 09, not asserted: these are CPU timings
+    # How close the prediction comes to the clock is shown in notebook 13, not asserted: these are CPU timings
     # on a shared machine. Here: the ledger rows go into the model as they are.
     assert planner.predict_seconds(rows, link) > 0
 

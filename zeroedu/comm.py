@@ -41,6 +41,11 @@ import torch.distributed as dist
 # is as fast as anything here at 1 MiB and above, so all-reduce stays native.
 AUTO_ON_GLOO = {"all_reduce": "native", "reduce_scatter": "direct", "all_gather": "direct"}
 
+# torch 2.13 renamed the single-tensor collectives and deprecated the old names; torch 2.11 and 2.12 (a GPU machine's
+# build, say) have only the old ones. Same signature, same semantics.
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class LedgerEntry:
@@ -387,11 +392,11 @@ class Comm:
         if op == "all_reduce":
             return 2 * (n - 1) * nbytes // n, dist.all_reduce(a, group=g, async_op=async_op)
         if op == "reduce_scatter":
-            return (n - 1) * nbytes // n, dist.reduce_scatter_single(a, b, group=g, async_op=async_op)
+            return (n - 1) * nbytes // n, REDUCE_SCATTER_SINGLE(a, b, group=g, async_op=async_op)
         if op == "all_gather":
             if b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr():
                 b = b.clone()  # the input may be this rank's chunk of the output; native needs them apart
-            return (n - 1) * nbytes // n, dist.all_gather_single(a, b, group=g, async_op=async_op)
+            return (n - 1) * nbytes // n, ALL_GATHER_SINGLE(a, b, group=g, async_op=async_op)
         if op == "all_to_all":
             return (n - 1) * nbytes // n, dist.all_to_all_single(a, b, group=g, async_op=async_op)
         if op == "broadcast":

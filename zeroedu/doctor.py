@@ -173,8 +173,8 @@ def check_torch(version: str | None = None, cuda: str | None = None, pin: str | 
     fix = ((f"pip install torch=={pin}" if cuda else torch_install_fix(pin, nvidia_gpus))
            + " (into the course's environment)")
     if _release(version) < _release(pin):
-        return Result("torch", FAIL, f"{version}, {build}; the course needs torch=={pin}: older versions lack "
-                      "collectives it uses (all_gather_single, reduce_scatter_single)", fix, data)
+        return Result("torch", FAIL, f"{version}, {build}; the course needs torch=={pin}: older versions are not "
+                      "tested", fix, data)
     if _release(version) > _release(pin):
         return Result("torch", WARN, f"{version}, {build}; the course is tested with torch=={pin}", fix, data)
     if nvidia_gpus and not cuda:

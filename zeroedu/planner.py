@@ -6,7 +6,7 @@ the configuration that fits with the least communication time, preferring in tur
 stage. Model states come from zeroedu.theory (exact, padded); activations are an estimate (documented in
 `activation_bytes`); times come from the alpha-beta model (theory.collective_time) with the link constants
 below or with ones fitted to measurements (`calibrate`); `predict_seconds` applies the same model to a list of
-collectives, e.g. a live ledger's, to check it against the clock (notebook 09 does, on 4 gloo ranks).
+collectives, e.g. a live ledger's, to check it against the clock (notebook 13 does, on 4 gloo ranks).
 
     from zeroedu.planner import plan, format_plan
     print(format_plan(plan("70B", gpus=16, gpus_per_node=8, gpu_memory_gb=80)))

@@ -5,7 +5,9 @@ draws them, and returns the matplotlib Figure. Colours mean the same thing in ev
 memory category (zeroedu.memory.CATEGORIES) and one per collective. Theory is always drawn as a black
 marker on top of the measured bar, so "measured = theory" is something you can see, not only read.
 
-`table(...)` prints the same numbers as plain text: nbval compares text, not pixels.
+`table(...)` prints the same numbers as plain text: nbval compares text, not pixels. `approx(x)` prints a float
+whose last digits depend on the CPU's vector kernels (a loss, say) as "≈4.8832": the course's nbval settings
+(tests/nbval_sanitize.cfg) mask the digits after "≈", so the value is shown to the learner and never compared.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
+from zeroedu.fmt import approx
 from zeroedu.memory import CATEGORIES
 
-__all__ = ["CATEGORY_COLORS", "OP_COLORS", "PHASE_COLORS", "alpha_beta_plot", "fmt_bytes", "grouped_bars",
+__all__ = ["CATEGORY_COLORS", "OP_COLORS", "PHASE_COLORS", "alpha_beta_plot", "approx", "fmt_bytes", "grouped_bars",
            "ledger_bars", "memory_bars", "ring_grid", "scaling_plot", "table", "timeline", "timeline_data"]
 
 # One colour per memory category, in stacking order: model states first (the paper's three, plus fp32 master

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from zeroedu.fmt import approx
 from zeroedu.grading.ranks import not_implemented
 from zeroedu.grading.training import TOLERANCE, Case, TrainRun, assemble_full, dict_rel, train_on_ranks
 from zeroedu.stages import Stage0, Stage1, Stage2, Stage3
@@ -617,10 +618,10 @@ class QwzRun(Stage3Run):
         lines = [f"{'run':<28} {'loss after each step':<26} {'parameter bytes sent by rank 0 in step 0':>42}"]
         for i, case in enumerate(self.cases):
             losses = [sum(r["losses"][s] for r in self.ranks[i]) / case.world_size for s in range(case.steps)]
-            lines.append(f"{case.name:<28} {' '.join(f'{v:.5f}' for v in losses):<26} "
+            lines.append(f"{case.name:<28} {' '.join(approx(v, 5) for v in losses):<26} "
                          f"{_gathers(self.ranks[i][0], 0)[1]:>42}")
         ref = self.refs[0]["losses"]
-        lines.append(f"{'one process, unquantized':<28} {' '.join(f'{v:.5f}' for v in ref):<26}")
+        lines.append(f"{'one process, unquantized':<28} {' '.join(approx(v, 5) for v in ref):<26}")
         return "\n".join(lines)
 
 

@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from zeroedu.config import load_config
+from zeroedu.fmt import approx
 from zeroedu.grading.ranks import run_on_ranks
 from zeroedu.models import MLP, Quirky, TinyGPT, TinyGPTConfig, gpt_batch, mlp_batch, quirky_batch, shard_batch
 
@@ -382,7 +383,8 @@ class TrainRun:
             rows, ref = self.ranks[i], self.refs[i]
             for s in range(case.steps):
                 loss = sum(r["losses"][s] for r in rows) / len(rows)
-                lines.append(f"{case.name if s == 0 else '':<{w}} {s:>4} {loss:>13.5f} {ref['losses'][s]:>17.5f}")
+                ours, theirs = approx(loss, 5), approx(ref["losses"][s], 5)
+                lines.append(f"{case.name if s == 0 else '':<{w}} {s:>4} {ours:>13} {theirs:>17}")
         return "\n".join(lines)
 
     def sent(self, i: int, rank: int, op: str, kind: str, step: int | None = None) -> int:
