@@ -285,6 +285,7 @@ def test_timeline_draws_inline_waits_and_overlapped_segments_differently():
         assert drawn == pytest.approx(12.0)     # segments and waits tile the 12 ms of backward
         legend = [t.get_text() for t in ax.get_legend().get_texts()]
         assert ("backward waits for its collective" in legend) == (not overlap)
+    assert viz.timeline([rank], xmax=50.0).axes[0].get_xlim() == (0.0, 50.0)
 
 
 def test_alpha_beta_lines_can_be_told_apart():

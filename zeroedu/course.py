@@ -236,19 +236,14 @@ def markdown_table(rows: Iterable[Sequence], headers: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def show(text: str):
+def show(text: str) -> None:
     """Display `text` as Markdown in the notebook (prose rendered from measured values cannot go stale).
 
-    Returns the IPython Markdown object; outside IPython it prints the text and returns it."""
-    try:
-        from IPython import get_ipython
-        from IPython.display import Markdown, display
-    except ImportError:  # pragma: no cover - IPython is a dependency of the course
-        print(text)
-        return text
-    md = Markdown(text)
+    Outside IPython (a script, a test) it prints the text."""
+    from IPython import get_ipython
+    from IPython.display import Markdown, display
+
     if get_ipython() is None:
         print(text)
     else:
-        display(md)
-    return md
+        display(Markdown(text))

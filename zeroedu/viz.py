@@ -292,14 +292,15 @@ def backward_segments(start: float, end: float, comm: Sequence[Sequence], overla
 
 
 def timeline(ranks: Sequence[Mapping], title: str = "What each rank does, over time", ax=None,
-             ms: bool = True) -> Figure:
+             ms: bool = True, xmax: float | None = None) -> Figure:
     """Per-rank timeline: for each rank a compute lane (forward / backward / step) above a comm lane (one
     box per collective, coloured by op). `ranks` is the list of timeline_data(...) dicts, one per rank.
 
     Times are relative to the earliest start over all ranks (every rank runs on this machine, so their
     time.time() clocks agree). Where a rank says whether it overlapped (timeline_data's "overlap"), its
     backward is drawn in per-bucket segments (backward_segments), with hatched waits where it blocked on a
-    collective: overlapped and inline reduction look different, not only last different.
+    collective: overlapped and inline reduction look different, not only last different. `xmax` (in the
+    x axis's unit) fixes the x range, so that timelines compared side by side share it.
     """
     if not ranks:
         raise ValueError("timeline: no ranks to draw")
@@ -323,10 +324,10 @@ def timeline(ranks: Sequence[Mapping], title: str = "What each rank does, over t
             for a, b in waits:
                 ax.broken_barh([((a - t0) * k, (b - a) * k)], (y + 0.05, 0.38), facecolors="white",
                                edgecolor="#999999", hatch="////", linewidth=0.4, gid="wait:comm")
-            if waits and "wait" not in seen_phase:
-                seen_phase.append("wait")
             if phase not in seen_phase:
                 seen_phase.append(phase)
+            if waits and "wait" not in seen_phase:
+                seen_phase.append("wait")
         for op, _kind, _phase, s, sec, _sent in r["comm"]:
             ax.broken_barh([((s - t0) * k, max(sec, 1e-6) * k)], (y - 0.43, 0.38), facecolors=OP_COLORS.get(op, "#999"),
                            edgecolor="black", linewidth=0.3, gid=f"comm:{op}")
@@ -336,6 +337,8 @@ def timeline(ranks: Sequence[Mapping], title: str = "What each rank does, over t
                   [f"rank {r.get('rank', i)}" for i, r in enumerate(ranks)])
     ax.set_ylim(-0.6, len(ranks) - 0.4)
     ax.set_xlabel("time (ms)" if ms else "time (s)")
+    if xmax is not None:   # the same x range for timelines that are compared side by side
+        ax.set_xlim(0, xmax)
     ax.set_title(title)
     handles = [Patch(facecolor="white", edgecolor="#999999", hatch="////", label="backward waits for its collective")
                if p == "wait" else Patch(facecolor=PHASE_COLORS.get(p, "#ccc"), label=f"compute: {p}")
