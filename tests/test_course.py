@@ -42,6 +42,7 @@ def test_local_engine_holds_16_bytes_per_parameter():
 def _runs(world: int) -> dict:
     return {
         "s0": (course.ds_config(0, world_size=world), {"state": True, "timeline": True}),
+        "s0_clip": (course.ds_config(0, world_size=world, clip=0.05), {}),
         "s1": (course.ds_config(1, world_size=world), {"state": True}),
         "s1_clip": (course.ds_config(1, world_size=world, clip=0.05), {"state": True}),
         "s1_fp16": (course.ds_config(1, "fp16", world_size=world), {}),
@@ -88,7 +89,7 @@ def test_gradient_norm_all_reduce_only_with_clipping_or_fp16(two_ranks):
     """Notebooks 03 and 04 say so: a sharded stage all-reduces one scalar (the global gradient norm) when
     clipping or fp16's overflow check needs it, and not otherwise; stage 0 never (every rank has the norm)."""
     for r in two_ranks:
-        assert r["s0"]["scalar_all_reduces"] == 0
+        assert r["s0"]["scalar_all_reduces"] == r["s0_clip"]["scalar_all_reduces"] == 0
         assert r["s1"]["scalar_all_reduces"] == 0
         assert r["s1_bf16"]["scalar_all_reduces"] == 0
         assert r["s1_clip"]["scalar_all_reduces"] == 1
