@@ -87,3 +87,69 @@ def test_committed_with_outputs_of_a_clean_run(path):
     errors = [o for c in code for o in c.outputs if o.output_type == "error"]
     assert not errors, f"{path.name}: committed with an error output: {errors[0].get('ename')}"
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
+
+
+# ---- the shape of a lesson (issue 13, section 3): notebooks 00-04, course part A ------------------------------
+# Each course engineer adds their notebooks to LESSONS; the checks below apply to every name listed.
+LESSONS = ["00_start_here", "01_memory_anatomy", "02_collectives", "03_stage0_ddp", "04_stage1"]
+LESSON_PATHS = [ROOT / "notebooks" / f"{name}.ipynb" for name in LESSONS]
+NOTEBOOK_LINK = re.compile(r"\(((\d\d)_[a-z0-9_]+\.ipynb)\)")
+MAX_CODE_LINES = 25
+
+
+def _cells_after(nb, heading: str) -> list:
+    start = next((i for i, c in enumerate(nb.cells) if c.cell_type == "markdown"
+                  and re.search(rf"^#+\s+{re.escape(heading)}", c.source, re.M | re.I)), None)
+    assert start is not None, f"no '{heading}' heading"
+    return nb.cells[start:]
+
+
+@pytest.mark.parametrize("path", LESSON_PATHS, ids=lambda p: p.stem)
+def test_lesson_top_says_goal_prerequisites_and_times(path):
+    top = load(path).cells[0].source
+    for field in ("**Goal:**", "**Prerequisites:**", "**Reading time:**", "**Running time:**"):
+        assert field in top, f"{path.name}: the first cell should state {field}"
+    assert "measured" in top and "2-core CPU" in top, f"{path.name}: say where the running time was measured"
+    assert "__RUN__" not in top, f"{path.name}: fill in the measured running time"
+    earlier = {int(num) for _, num in NOTEBOOK_LINK.findall(top.split("**Prerequisites:**")[1].split("**")[0])}
+    assert all(n < int(path.name[:2]) for n in earlier), f"{path.name}: prerequisites must be earlier notebooks"
+
+
+@pytest.mark.parametrize("path", LESSON_PATHS, ids=lambda p: p.stem)
+def test_lesson_ends_with_summary_chinese_summary_answers_and_next(path):
+    nb = load(path)
+    heads = headings(nb)
+    order = [next((i for i, h in enumerate(heads) if h.startswith(name)), None)
+             for name in ("summary", "中文 小结", "check your understanding")]
+    assert None not in order and order == sorted(order), \
+        f"{path.name}: end with '## Summary', then '### 中文 小结', then '## Check your understanding': {heads}"
+    summary = "\n".join(c.source for c in _cells_after(nb, "Summary") if c.cell_type == "markdown")
+    takeaways = re.findall(r"^\d+\.\s", summary.split("中文 小结")[0], re.M)
+    assert 3 <= len(takeaways) <= 5, f"{path.name}: the Summary has {len(takeaways)} numbered takeaways, want 3-5"
+    chinese = summary.split("中文 小结")[1].split("Check your understanding")[0]
+    assert len(re.findall(r"[\u4e00-\u9fff]", chinese)) > 60, f"{path.name}: write the 中文 小结 in Chinese"
+    quiz = "\n".join(c.source for c in _cells_after(nb, "Check your understanding") if c.cell_type == "markdown")
+    questions = re.findall(r"^\d+\.\s", quiz, re.M)
+    answers = re.findall(r"<details><summary>Answer</summary>.+?</details>", quiz, re.S)
+    assert questions and len(answers) == len(questions), \
+        f"{path.name}: {len(questions)} questions but {len(answers)} <details><summary>Answer</summary> blocks"
+    nxt = re.search(r"\*\*Next:\*\*\s*\[[^\]]+\]\(([^)]+\.ipynb)\)", nb.cells[-1].source)
+    assert nxt, f"{path.name}: the last cell should end with **Next:** [NN_name.ipynb](NN_name.ipynb)"
+    assert (path.parent / nxt.group(1)).exists(), f"{path.name}: Next points at {nxt.group(1)}, which does not exist"
+    assert "zeroedu grade exercises/ex" in nb.cells[-1].source, f"{path.name}: say how to self-grade the exercise"
+
+
+@pytest.mark.parametrize("path", LESSON_PATHS, ids=lambda p: p.stem)
+def test_lesson_code_cells_are_short(path):
+    long = [(i, len(c.source.splitlines())) for i, c in enumerate(load(path).cells)
+            if c.cell_type == "code" and len(c.source.splitlines()) > MAX_CODE_LINES]
+    assert not long, f"{path.name}: code cells over {MAX_CODE_LINES} lines (index, lines): {long}"
+
+
+def test_course_map_lists_every_notebook():
+    """00's map names each notebook of the course, in order (the new ones too, before they are written)."""
+    text = markdown(load(ROOT / "notebooks" / "00_start_here.ipynb"))
+    listed = re.findall(r"^\| `(\d\d_[a-z0-9_]+)` \|", text, re.M)
+    assert listed == sorted(listed), f"00's course map is out of order: {listed}"
+    missing = {p.stem for p in NOTEBOOKS} - set(listed)
+    assert not missing, f"00's course map lacks {sorted(missing)}"

@@ -258,3 +258,43 @@ def test_approx_is_masked_by_the_course_nbval_settings_and_nothing_else_is():
     assert sanitize(avx2) == sanitize(avx512)
     assert viz.approx([1.0, -2.5e-7], 2) == "≈1.00, ≈-0.00"
     assert sanitize("ratio 1.5000, 3 steps") == "ratio 1.5000, 3 steps"
+
+
+# ---- notebooks 00-04 (course part A): per-bucket backward, distinguishable alpha-beta lines ------------------
+
+def test_backward_segments_cut_at_each_bucket():
+    comm = [("all_reduce", "grads", "backward", 2.0, 1.0, 8), ("all_reduce", "grads", "backward", 5.0, 2.0, 8)]
+    # overlap: backward computes on while the collectives run; the cuts are the buckets' launch times
+    assert viz.backward_segments(0.0, 10.0, comm, overlap=True) == ([(0.0, 2.0), (2.0, 5.0), (5.0, 10.0)], [])
+    # inline: backward stops for each collective, as long as it lasts
+    assert viz.backward_segments(0.0, 10.0, comm, overlap=False) == ([(0.0, 2.0), (3.0, 5.0), (7.0, 10.0)],
+                                                                    [(2.0, 3.0), (5.0, 7.0)])
+    assert viz.backward_segments(0.0, 10.0, [], overlap=False) == ([(0.0, 10.0)], [])
+
+
+def test_timeline_draws_inline_waits_and_overlapped_segments_differently():
+    t0 = 100.0
+    comm = [("all_reduce", "grads", "backward", t0 + 0.004, 0.002, 8),
+            ("all_reduce", "grads", "backward", t0 + 0.008, 0.002, 8)]
+    for overlap, segments, waits in ((True, 3, 0), (False, 3, 2)):
+        rank = {"rank": 0, "compute": [("backward", t0, t0 + 0.012)], "comm": comm, "overlap": overlap}
+        ax = viz.timeline([rank]).axes[0]
+        b = boxes(ax)
+        assert len(b["compute:backward"]) == segments and len(b.get("wait:comm", [])) == waits
+        drawn = sum(w for _, w, _ in b["compute:backward"]) + sum(w for _, w, _ in b.get("wait:comm", []))
+        assert drawn == pytest.approx(12.0)     # segments and waits tile the 12 ms of backward
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert ("backward waits for its collective" in legend) == (not overlap)
+    assert viz.timeline([rank], xmax=50.0).axes[0].get_xlim() == (0.0, 50.0)
+
+
+def test_alpha_beta_lines_can_be_told_apart():
+    sizes = [1e3, 1e5, 1e7]
+    seconds = {op: [1e-4, 1e-3, 1e-2] for op in ("all_reduce", "reduce_scatter", "all_gather")}
+    ax = viz.alpha_beta_plot(sizes, seconds, world_size=4, fit=(50e-6, 1e9)).axes[0]
+    models = [ln for ln in ax.get_lines() if ln.get_gid() == "theory"]
+    # reduce-scatter and all-gather have the same model (N-1 steps, (N-1)/N S bytes): one line named for both
+    assert [ln.get_label() for ln in models] == ["all-reduce: alpha-beta", "reduce-scatter = all-gather: alpha-beta"]
+    assert len({ln.get_linestyle() for ln in models}) == 2
+    measured = [ln for ln in ax.get_lines() if ln.get_gid() == "measured"]
+    assert len({ln.get_marker() for ln in measured}) == 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import html
 
 import pytest
@@ -71,3 +72,41 @@ def test_planner_widget_offers_a_calibrated_link():
     assert "intra-node this machine: alpha 1000.0 us, beta 0.3 GB/s" in w.text
     w.controls["intra"].value = "nvlink"
     assert "intra-node nvlink" in w.text
+
+
+def test_calculator_chart_follows_its_controls():
+    """The chart's bars are bytes per rank from the closed forms: 7.5e9 parameters on 64 ranks, bf16 + Adam,
+    16 / 4 + 12/64 / 2 + 14/64 / 16/64 bytes per parameter (the ZeRO paper's Figure 1: 120 / 31.4 / 16.6 / 1.9)."""
+    calc = widgets.memory_calculator(psi=7.5e9, world_size=64, stage=3)
+    totals = {k: sum(v.values()) for k, v in calc.chart_data.items()}
+    assert totals == {"stage 0": 120_000_000_000, "stage 1": 31_406_250_000, "stage 2": 16_640_625_000,
+                      "stage 3 *": 1_875_000_000}
+    assert calc.chart.value == calc.png and calc.png.startswith(b"\x89PNG")
+    before = calc.png
+    calc.controls["stage"].value = 1                      # the mark moves, the picture is redrawn
+    assert [k for k in calc.chart_data if k.endswith("*")] == ["stage 1 *"] and calc.png != before
+    calc.controls["offload"].value = "optimizer -> CPU"   # stage 1 + optimizer offload: a host bar appears
+    host = calc.chart_data["host, stage 1 *"]
+    # host: fp32 gradient shard + fp32 master + Adam's two moments, 16 bytes x 7.5e9 / 64
+    assert sum(host.values()) == 1_875_000_000
+    assert "stage 0 (no offload)" in calc.chart_data     # stage 0 cannot offload: drawn without it
+    calc.controls["offload"].value = "optimizer + params -> CPU"   # not at stage 1: no host bar, text says why
+    assert calc.text.startswith("error:") and not any(k.startswith("host") for k in calc.chart_data)
+
+
+def test_widgets_have_a_one_line_static_repr():
+    calc = widgets.memory_calculator(psi=7.5e9, world_size=64, stage=3)
+    want = ("memory calculator: 7.5B parameters, N = 64, stage 3, bf16: 1.875 GB of model states per rank on the "
+            f"device, {3 * 63 * 15e9 / 64 / 1e9:.3f} GB sent per step")
+    assert repr(calc) == want
+    bundle = calc._repr_mimebundle_()
+    data = bundle[0] if isinstance(bundle, tuple) else bundle
+    assert data["text/plain"] == want and "\n" not in want and "VBox" not in want
+    assert base64.b64decode(data["image/png"]).startswith(b"\x89PNG")     # what a static viewer shows
+    calc.controls["world_size"].value = 8
+    assert repr(calc).startswith("memory calculator: 7.5B parameters, N = 8, stage 3")
+    w = widgets.planner_widget(model="7B", gpus=8)
+    assert repr(w) == "planner: 7B on 8 GPUs -> recommendation: stage 1"
+    w.controls["gpus"].value = 12
+    assert repr(w).startswith("planner: error: 12 GPUs are not whole nodes of 8")
+    assert w._repr_mimebundle_()["text/plain"] == repr(w)

@@ -24,8 +24,9 @@ from matplotlib.ticker import FuncFormatter
 from zeroedu.fmt import approx
 from zeroedu.memory import CATEGORIES
 
-__all__ = ["CATEGORY_COLORS", "OP_COLORS", "PHASE_COLORS", "alpha_beta_plot", "approx", "fmt_bytes", "grouped_bars",
-           "ledger_bars", "memory_bars", "ring_grid", "scaling_plot", "table", "timeline", "timeline_data"]
+__all__ = ["CATEGORY_COLORS", "OP_COLORS", "PHASE_COLORS", "alpha_beta_plot", "approx", "backward_segments",
+           "fmt_bytes", "grouped_bars", "ledger_bars", "memory_bars", "ring_grid", "scaling_plot", "table", "timeline",
+           "timeline_data"]
 
 # One colour per memory category, in stacking order: model states first (the paper's three, plus fp32 master
 # weights, which the paper counts inside K), then the "residual" memory that no model-state formula shows.
@@ -51,6 +52,7 @@ OP_COLORS: dict[str, str] = {
 }
 PHASE_COLORS: dict[str, str] = {"forward": "#A1C9F4", "backward": "#FFB482", "step": "#8DE5A1", "init": "#D0BBFF",
                                 "other": "#CFCFCF"}
+BACKWARD_ALT = "#F7D2B4"   # every other per-bucket segment of backward, a lighter shade of its colour
 THEORY_COLOR = "black"
 
 FIGSIZE = (7.5, 3.6)
@@ -253,23 +255,52 @@ def timeline_data(engine, since: float | None = None, step: int | None = None) -
     """What a rank returns for `timeline`: its compute phases and its collectives (picklable numbers).
 
     compute: [(phase, start, end)] from engine.timeline; comm: [(op, kind, phase, start, seconds, sent_bytes)]
-    from the ledger. `since` (a time.time()) keeps only what started after it; `step` keeps only the
-    collectives of that optimizer step (compute spans are kept by time, so combine it with `since`).
+    from the ledger; overlap: the engine's overlap_comm (whether backward's collectives block it). `since` (a
+    time.time()) keeps only what started after it; `step` keeps only the collectives of that optimizer step
+    (compute spans are kept by time, so combine it with `since`).
     """
     compute = [(p, s, e) for p, s, e in engine.timeline if since is None or s >= since]
     comm = [(e.op, e.kind, e.phase, e.start, e.seconds, e.sent_bytes) for e in engine.ledger
             if e.op not in ("skipped_step",) and (since is None or e.start >= since)
             and (step is None or e.step == step)]
-    return {"rank": engine.rank, "compute": compute, "comm": comm}
+    return {"rank": engine.rank, "compute": compute, "comm": comm, "overlap": bool(engine.overlap)}
+
+
+def backward_segments(start: float, end: float, comm: Sequence[Sequence], overlap: bool
+                      ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """Cut a backward span into the stretches between its collectives: (compute segments, waits).
+
+    Each collective of backward starts when its bucket's last gradient exists, so the cuts are bucket
+    boundaries. With overlap the rank computes on while the collective runs (segments touch); without it the
+    rank waits for each one (a wait between two segments, as long as the collective). comm: the rank's
+    (op, kind, phase, start, seconds, sent) entries of that backward."""
+    cuts = sorted((c[3], c[3] + c[4]) for c in comm if start <= c[3] <= end)
+    segments, waits, at = [], [], start
+    for s, e in cuts:
+        if s > at:
+            segments.append((at, s))
+        if overlap:
+            at = max(at, s)
+        else:
+            e = min(e, end)
+            if e > s:
+                waits.append((s, e))
+            at = max(at, e)
+    if end > at:
+        segments.append((at, end))
+    return segments, waits
 
 
 def timeline(ranks: Sequence[Mapping], title: str = "What each rank does, over time", ax=None,
-             ms: bool = True) -> Figure:
+             ms: bool = True, xmax: float | None = None) -> Figure:
     """Per-rank timeline: for each rank a compute lane (forward / backward / step) above a comm lane (one
     box per collective, coloured by op). `ranks` is the list of timeline_data(...) dicts, one per rank.
 
     Times are relative to the earliest start over all ranks (every rank runs on this machine, so their
-    time.time() clocks agree).
+    time.time() clocks agree). Where a rank says whether it overlapped (timeline_data's "overlap"), its
+    backward is drawn in per-bucket segments (backward_segments), with hatched waits where it blocked on a
+    collective: overlapped and inline reduction look different, not only last different. `xmax` (in the
+    x axis's unit) fixes the x range, so that timelines compared side by side share it.
     """
     if not ranks:
         raise ValueError("timeline: no ranks to draw")
@@ -283,10 +314,20 @@ def timeline(ranks: Sequence[Mapping], title: str = "What each rank does, over t
     for i, r in enumerate(ranks):
         y = len(ranks) - 1 - i
         for phase, s, e in r["compute"]:
-            ax.broken_barh([((s - t0) * k, (e - s) * k)], (y + 0.05, 0.38), facecolors=PHASE_COLORS.get(phase, "#ccc"),
-                           edgecolor="white", linewidth=0.4, gid=f"compute:{phase}")
+            spans, waits = [(s, e)], []
+            if phase == "backward" and "overlap" in r:
+                spans, waits = backward_segments(s, e, [c for c in r["comm"] if c[2] == "backward"], r["overlap"])
+            for j, (a, b) in enumerate(spans):   # one segment per bucket: alternate shades show the cuts
+                color = PHASE_COLORS.get(phase, "#ccc") if j % 2 == 0 else BACKWARD_ALT
+                ax.broken_barh([((a - t0) * k, (b - a) * k)], (y + 0.05, 0.38), facecolors=color,
+                               edgecolor="white", linewidth=0.4, gid=f"compute:{phase}")
+            for a, b in waits:
+                ax.broken_barh([((a - t0) * k, (b - a) * k)], (y + 0.05, 0.38), facecolors="white",
+                               edgecolor="#999999", hatch="////", linewidth=0.4, gid="wait:comm")
             if phase not in seen_phase:
                 seen_phase.append(phase)
+            if waits and "wait" not in seen_phase:
+                seen_phase.append("wait")
         for op, _kind, _phase, s, sec, _sent in r["comm"]:
             ax.broken_barh([((s - t0) * k, max(sec, 1e-6) * k)], (y - 0.43, 0.38), facecolors=OP_COLORS.get(op, "#999"),
                            edgecolor="black", linewidth=0.3, gid=f"comm:{op}")
@@ -296,8 +337,12 @@ def timeline(ranks: Sequence[Mapping], title: str = "What each rank does, over t
                   [f"rank {r.get('rank', i)}" for i, r in enumerate(ranks)])
     ax.set_ylim(-0.6, len(ranks) - 0.4)
     ax.set_xlabel("time (ms)" if ms else "time (s)")
+    if xmax is not None:   # the same x range for timelines that are compared side by side
+        ax.set_xlim(0, xmax)
     ax.set_title(title)
-    handles = [Patch(facecolor=PHASE_COLORS.get(p, "#ccc"), label=f"compute: {p}") for p in seen_phase]
+    handles = [Patch(facecolor="white", edgecolor="#999999", hatch="////", label="backward waits for its collective")
+               if p == "wait" else Patch(facecolor=PHASE_COLORS.get(p, "#ccc"), label=f"compute: {p}")
+               for p in seen_phase]
     handles += [Patch(facecolor=OP_COLORS.get(o, "#999"), edgecolor="black", label=o.replace("_", "-"))
                 for o in seen_op]
     _legend(ax, handles=handles)
@@ -359,15 +404,21 @@ def alpha_beta_plot(sizes: Sequence[float], seconds: Mapping[str, Sequence[float
 
     fig, ax = _new_axes(ax)
     xs = np.asarray(sizes, dtype=float)
-    for op, ts in seconds.items():
-        c = OP_COLORS.get(op, None)
-        (line,) = ax.plot(xs, np.asarray(ts) * 1e3, "o", color=c, label=f"{op.replace('_', '-')}: measured")
-        line.set_gid("measured")
-        if fit is not None:
-            grid = np.geomspace(xs.min(), xs.max(), 50)
-            model = [collective_time(op, int(g), world_size, *fit) * 1e3 for g in grid]
-            (line,) = ax.plot(grid, model, "-", color=c, alpha=0.7, label=f"{op.replace('_', '-')}: alpha-beta")
-            line.set_gid("theory")
+    markers, styles = ["o", "s", "^", "D", "v"], ["-", "--", ":", "-."]
+    for i, (op, ts) in enumerate(seconds.items()):
+        ax.plot(xs, np.asarray(ts) * 1e3, markers[i % len(markers)], color=OP_COLORS.get(op), mfc="none", mew=1.5,
+                label=f"{op.replace('_', '-')}: measured", gid="measured")
+    if fit is not None:
+        # Ops whose model is the same curve (reduce-scatter and all-gather: N-1 steps, (N-1)/N S bytes each) get
+        # one line, named after all of them, so no line hides under another.
+        grid = np.geomspace(xs.min(), xs.max(), 50)
+        curves: dict[tuple, list[str]] = {}
+        for op in seconds:
+            curves.setdefault(tuple(collective_time(op, int(g), world_size, *fit) for g in grid), []).append(op)
+        for j, (model, ops) in enumerate(curves.items()):
+            names = " = ".join(o.replace("_", "-") for o in ops)
+            ax.plot(grid, np.asarray(model) * 1e3, styles[j % len(styles)], color=OP_COLORS.get(ops[0]), lw=1.6,
+                    alpha=0.8, label=f"{names}: alpha-beta", gid="theory")
     ax.set_xscale("log")
     ax.set_yscale("log")
     plain = FuncFormatter(lambda v, _pos: f"{v:g}")      # "20", not "2 x 10^1", on a log axis of milliseconds

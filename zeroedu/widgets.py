@@ -5,13 +5,19 @@
     planner_widget()         # zeroedu.planner.plan for a model and a cluster
 
 The text functions (`calculator_text`, `planner_text`) hold all the arithmetic and are what the tests check;
-a widget only reads its controls and shows the text. Set a control's `.value` from Python and `.text`
+a widget only reads its controls and shows the text (the calculator also a bar chart of bytes per rank at
+every stage, `calculator_bars`, redrawn on each change). Set a control's `.value` from Python and `.text`
 follows, which is how the tests drive them (and how a notebook can, without a browser).
+
+Saved in a notebook, a widget also leaves a one-line text (`summary`) and, for the calculator, the chart as
+a PNG: what GitHub's viewer and nbval see, instead of `VBox(children=...)`.
 """
 
 from __future__ import annotations
 
+import base64
 import html
+import io
 from collections.abc import Callable
 
 import ipywidgets as widgets
@@ -77,16 +83,97 @@ def planner_text(**kwargs) -> str:
         return f"error: {e}"
 
 
+def calculator_bars(psi: float, world_size: int, stage: int, precision: str = "bf16",
+                    offload_optimizer: str = "none", offload_param: str = "none", grad_accum: int = 1,
+                    optimizer: str = "adam") -> dict[str, dict[str, int]]:
+    """What the calculator's chart draws: {bar: {category: bytes}} per rank, from zeroedu.theory.
+
+    One bar per stage 0-3 on the device, with this offload where that stage allows it (the others without
+    offload, labelled so), then the selected stage's host and NVMe tiers if they hold anything."""
+    psi, world_size, stage = int(round(psi)), int(world_size), int(stage)
+    bars: dict[str, dict[str, int]] = {}
+    for s in theory.STAGES:
+        try:
+            tiers = theory.offload_bytes(psi, world_size, s, precision, offload_optimizer, offload_param,
+                                         optimizer=optimizer)
+            note = ""
+        except ValueError:   # this offload needs a higher stage: show the stage without it
+            tiers = theory.offload_bytes(psi, world_size, s, precision, optimizer=optimizer)
+            note = " (no offload)"
+        mark = " *" if s == stage else ""
+        bars[f"stage {s}{note}{mark}"] = {c: tiers["device"][c] for c in theory.MODEL_STATES}
+    try:
+        tiers = theory.offload_bytes(psi, world_size, stage, precision, offload_optimizer, offload_param,
+                                     optimizer=optimizer)
+    except ValueError:   # the selected stage cannot take this offload (the text says why): no host bars
+        return bars
+    for tier, name in (("host", "host"), ("nvme", "NVMe")):
+        if tiers[tier]["total"]:
+            bars[f"{name}, stage {stage} *"] = {c: tiers[tier][c] for c in theory.MODEL_STATES}
+    return bars
+
+
+def calculator_summary(psi: float, world_size: int, stage: int, precision: str = "bf16",
+                       offload_optimizer: str = "none", offload_param: str = "none", grad_accum: int = 1,
+                       optimizer: str = "adam") -> str:
+    """One line: the calculator's inputs and its two headline numbers (the widget's static text)."""
+    try:
+        psi, world_size, stage = int(round(psi)), int(world_size), int(stage)
+        dev = theory.offload_bytes(psi, world_size, stage, precision, offload_optimizer, offload_param,
+                                   optimizer=optimizer)["device"]["total"]
+        sent = theory.comm_bytes_per_step(psi, world_size, stage, precision, int(grad_accum))["total"]
+    except ValueError as e:
+        return f"memory calculator: error: {e}"
+    off = "" if offload_optimizer == offload_param == "none" else \
+        f", offload optimizer {offload_optimizer} / params {offload_param}"
+    return (f"memory calculator: {psi / 1e9:g}B parameters, N = {world_size}, stage {stage}, {precision}{off}: "
+            f"{dev / GB:.3f} GB of model states per rank on the device, {sent / GB:.3f} GB sent per step")
+
+
+def planner_summary(**kwargs) -> str:
+    """One line: the planner's recommendation (the widget's static text)."""
+    try:
+        p = planner.plan(**kwargs)
+    except ValueError as e:
+        return f"planner: error: {e}"
+    rec = p.recommendation.label if p.recommendation else "none fits"
+    return f"planner: {kwargs.get('model')} on {kwargs.get('gpus')} GPUs -> recommendation: {rec}"
+
+
+def _png(per_bar: dict[str, dict[str, int]], title: str) -> bytes:
+    import matplotlib.pyplot as plt
+
+    from zeroedu import viz
+
+    fig = viz.memory_bars(per_bar, title=title, unit="GB")
+    ax = fig.axes[0]
+    for i, cats in enumerate(per_bar.values()):   # the total on top of each bar: small bars stay readable
+        total = sum(cats.values()) / GB
+        ax.text(i, total, f"{total:,.3g} GB", ha="center", va="bottom", fontsize=8)
+    ax.tick_params(axis="x", labelrotation=20)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
 class Calculator:
-    """Controls, an output, and the text function that joins them. Displays as its VBox."""
+    """Controls, an output, and the functions that join them. Displays as its VBox.
+
+    render(**values) -> the text shown; summary(**values) -> one line, the static text a saved notebook
+    keeps; bars(**values) -> {bar: {category: bytes}}, drawn as a chart under the text (optional)."""
 
     def __init__(self, controls: dict[str, widgets.ValueWidget], render: Callable[..., str],
-                 convert: Callable[[dict], dict] | None = None) -> None:
+                 convert: Callable[[dict], dict] | None = None, summary: Callable[..., str] | None = None,
+                 bars: Callable[..., dict] | None = None, chart_title: Callable[[dict], str] | None = None) -> None:
         self.controls, self.render, self.convert = controls, render, convert or (lambda kw: kw)
+        self.summarize, self.bars, self.chart_title = summary, bars, chart_title
         self.output = widgets.HTML()
-        self.text = ""
-        self.widget = widgets.VBox([widgets.HBox(list(controls.values())[i:i + 3])
-                                    for i in range(0, len(controls), 3)] + [self.output])
+        self.chart = widgets.Image(format="png") if bars else None
+        self.text, self.summary, self.chart_data, self.png = "", "", None, b""
+        rows = [widgets.HBox(list(controls.values())[i:i + 3]) for i in range(0, len(controls), 3)]
+        self.widget = widgets.VBox(rows + [self.output] + ([self.chart] if self.chart else []))
         for c in controls.values():
             c.observe(self.update, names="value")
         self.update()
@@ -95,11 +182,26 @@ class Calculator:
         return self.convert({name: c.value for name, c in self.controls.items()})
 
     def update(self, _change=None) -> None:
-        self.text = self.render(**self.values())
+        values = self.values()
+        self.text = self.render(**values)
         self.output.value = f"<pre style='font-size: 12px; line-height: 1.3'>{html.escape(self.text)}</pre>"
+        self.summary = self.summarize(**values) if self.summarize else self.text.splitlines()[0]
+        if self.chart is not None:
+            self.chart_data = self.bars(**values)
+            title = self.chart_title(values) if self.chart_title else ""
+            self.png = _png(self.chart_data, title)
+            self.chart.value = self.png
+
+    def __repr__(self) -> str:
+        return self.summary
 
     def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
+        bundle = self.widget._repr_mimebundle_(**kwargs)
+        data = bundle[0] if isinstance(bundle, tuple) else bundle
+        data["text/plain"] = self.summary
+        if self.png:
+            data["image/png"] = base64.b64encode(self.png).decode("ascii")
+        return bundle
 
 
 def _style() -> dict:
@@ -128,7 +230,12 @@ def memory_calculator(psi: float = 7.5e9, world_size: int = 64, stage: int = 3, 
         oo, op = OFFLOADS[kw.pop("offload")]
         return {"psi": kw.pop("billions") * 1e9, **kw, "offload_optimizer": oo, "offload_param": op}
 
-    return Calculator(controls, calculator_text, convert)
+    def title(kw: dict) -> str:
+        return (f"{kw['psi'] / 1e9:g}B parameters, N = {kw['world_size']}, {kw['precision']}: "
+                "model states per rank (* = selected)")
+
+    return Calculator(controls, calculator_text, convert, summary=calculator_summary, bars=calculator_bars,
+                      chart_title=title)
 
 
 def planner_widget(model: str = "7B", gpus: int = 8, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0,
@@ -156,4 +263,4 @@ def planner_widget(model: str = "7B", gpus: int = 8, gpus_per_node: int = 8, gpu
         "seq_len": widgets.BoundedIntText(value=seq_len, min=1, max=10_000_000, description="sequence",
                                           **_style()),
     }
-    return Calculator(controls, planner_text)
+    return Calculator(controls, planner_text, summary=planner_summary)
