@@ -429,7 +429,8 @@ def ring_grid(states: Sequence[np.ndarray], titles: Sequence[str] | None = None,
 
 # ---- notebook 08_offload ----------------------------------------------------------------------------------------
 OFFLOAD_LANES = ("compute", "cpu adam", "d2h", "h2d", "nvme2h", "h2nvme", "collectives")
-OFFLOAD_COLORS = {"cpu adam": "#8172B3", "d2h": "#DD8452", "h2d": "#4C72B0", "nvme2h": "#55A868", "h2nvme": "#C44E52"}
+# Colours of their own: the collectives keep OP_COLORS (all-gather blue, reduce-scatter orange) in the last lane.
+OFFLOAD_COLORS = {"cpu adam": "#8172B3", "d2h": "#937860", "h2d": "#DA8BC3", "nvme2h": "#55A868", "h2nvme": "#CCB974"}
 OFFLOAD_LANE_LABELS = {"d2h": "device -> host", "h2d": "host -> device", "nvme2h": "NVMe -> host",
                        "h2nvme": "host -> NVMe", "cpu adam": "Adam on the host CPU"}
 
