@@ -134,3 +134,90 @@ def test_min_time_and_show(capsys):
     assert len(calls) == 4 and 0 <= t < 1
     assert course.show("stage 1 sends **1.00x**") is None
     assert "stage 1 sends **1.00x**" in capsys.readouterr().out     # no IPython shell here: printed
+
+
+# ---- notebooks 05_stage2, 06_stage3, 07_scaling, 08_offload, 09_zeropp, 10_checkpoints (course part B) --------
+
+def test_stage1_peak_holds_the_reduced_gradient_shard(two_ranks):
+    """Notebook 07 says so: stage 1 keeps its full 16-bit gradient buffer (2 Psi) at rest, and from the last
+    backward to the step also the reduced gradient of its own piece (2 Psi / N), so its peak model states exceed
+    the resting ones by exactly that shard; stage 2's gradient shard is persistent, so nothing is added."""
+    for r in two_ranks:
+        got = r["s1_bf16"]
+        psi = got["psi"]                                     # 109,952: even, so no padding at N = 2
+        assert got["memory"]["gradients"] == 2 * psi
+        assert got["peak_phase"] in ("backward", "step")
+        assert got["peak"]["gradients"] == 2 * psi + 2 * psi // 2
+
+
+def test_bucket_stats_from_a_summary(two_ranks):
+    s = two_ranks[0]["s1"]
+    stats = course.bucket_stats(s)
+    assert stats["buckets"] == len(s["layout"])
+    assert stats["reduce_scatters"] == len(s["layout"])      # stage 1: one reduce-scatter per bucket, at the step
+    assert stats["largest_bucket"] == max(-(-n // 2) * 2 for n in s["layout"])
+
+
+def test_stage3_units_cover_every_parameter_once():
+    from zeroedu.models import TinyGPT
+
+    engine, *_ = zeroedu.initialize(model=TinyGPT(seed=0), config=course.ds_config(
+        3, world_size=1, stage3_param_persistence_threshold=200))
+    got = course.stage3_units(engine)
+    model = TinyGPT(seed=0)
+    params = dict(model.named_parameters())                 # a tied weight is listed once
+    assert sum(n for _, _, n in got["units"]) == sum(p.numel() for p in params.values())
+    modules = dict(model.named_modules())
+    for name, pnames, numel in got["units"]:
+        module = modules["" if name == "(the model itself)" else name]
+        assert numel == sum(dict(module.named_parameters(recurse=False))[p].numel() for p in pnames)
+    # the LayerNorms (weight + bias of width 64) are the units under 200 elements
+    assert got["persistent"] == [128] * sum(1 for n in modules if n.endswith(("ln1", "ln2", "ln_f")))
+    stage0, *_ = zeroedu.initialize(model=TinyGPT(seed=0), config=course.ds_config(0, world_size=1))
+    assert course.stage3_units(stage0) is None
+
+
+def test_paper_table1_by_hand():
+    rows = {r[0]: r[1:] for r in course.paper_table1()}
+    assert sorted(rows) == [1, 4, 16, 64, 256, 1024]
+    # 7.5e9 parameters at N = 64: 16 x 7.5 = 120; (4 + 12/64) x 7.5 = 31.40625; (2 + 14/64) x 7.5 = 16.640625;
+    # 16/64 x 7.5 = 1.875 GB, the numbers of the ZeRO paper's Figure 1 and of Table 1's N = 64 row
+    assert rows[64] == pytest.approx([120.0, 31.40625, 16.640625, 1.875])
+    assert rows[1] == pytest.approx([120.0] * 4)
+
+
+def test_cpu_adam_node_seconds_by_hand():
+    # 7e9 parameters on 8 GPUs in one node: each rank steps 875M, the node all 7e9; 2 nodes of 8 halve the node's
+    t = course.cpu_adam_node_seconds(7e9, 8, 1, params_per_s=1e9)
+    assert t == {"shard_params": 875e6, "node_params": 7e9, "node_seconds": 7.0}
+    assert course.cpu_adam_node_seconds(7e9, 4, 1, 1e9)["node_seconds"] == 7.0   # fewer GPUs per node: the same
+    assert course.cpu_adam_node_seconds(7e9, 8, 2, 1e9)["node_seconds"] == 3.5
+
+
+def test_offload_config_names_a_missing_nvme_path():
+    cfg = course.offload_config(3, "cpu", "cpu")
+    zeroedu.load_config(cfg)
+    assert cfg["zero_optimization"]["offload_param"] == {"device": "cpu"}
+    with pytest.raises(ValueError, match="needs nvme_path"):
+        course.offload_config(3, "nvme")
+
+
+def test_offload_runs_take_turns_and_change_no_arithmetic():
+    configs = {"stage 2": course.offload_config(2), "stage 2 + opt cpu": course.offload_config(2, "cpu")}
+    res = zeroedu.launch(course.offload_runs, world_size=2, backend="gloo", args=(configs, 3), timeout=240)
+    for r in res:
+        a, b = r["stage 2"], r["stage 2 + opt cpu"]
+        assert a["losses"] == b["losses"]                   # fused Adam on the device and on the host: bit for bit
+        assert len(a["times"]) == 3 and a["seconds"] > 0
+        # by hand: the bf16 gradient shard goes to the host, the new bf16 parameters come back: 2 x Psi/N bytes each
+        assert b["moved"] == {"d2h": 2 * b["psi"] // 2, "h2d": 2 * b["psi"] // 2}
+        assert a["moved"] == {} and b["adam_seconds"] > 0 and a["adam_seconds"] == 0
+        assert set(b["phases"]) == {"forward", "backward", "step"}   # the last step's phases, timed
+
+
+def test_show_source_shows_the_real_method(capsys):
+    from zeroedu.stages.stage2 import Stage2
+
+    text = course.show_source(Stage2.reduce_bucket, Stage2.move_grads)
+    assert text.startswith("def reduce_bucket(self, b: Bucket)") and "p.grad = None" in text
+    assert "```python" in capsys.readouterr().out

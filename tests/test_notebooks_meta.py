@@ -153,3 +153,50 @@ def test_course_map_lists_every_notebook():
     assert listed == sorted(listed), f"00's course map is out of order: {listed}"
     missing = {p.stem for p in NOTEBOOKS} - set(listed)
     assert not missing, f"00's course map lacks {sorted(missing)}"
+
+
+# ---- course part B: 05_stage2, 06_stage3, 07_scaling, 08_offload, 09_zeropp, 10_checkpoints -----------------------
+# Issue 13's lesson structure, checked on the notebooks that have it; the lead merges the three parts' lists.
+LESSONS_B = [ROOT / "notebooks" / f"{n}.ipynb" for n in
+           ("05_stage2", "06_stage3", "07_scaling", "08_offload", "09_zeropp", "10_checkpoints")]
+NEXT_LINK = re.compile(r"\*\*Next:\*\*\s*\[[^\]]*\]\((\d\d_[a-z0-9_]+\.ipynb)\)")
+
+
+@pytest.mark.parametrize("path", LESSONS_B, ids=lambda p: p.stem)
+def test_lesson_b_top_states_goal_prerequisites_and_times(path):
+    top = load(path).cells[0].source
+    assert top.startswith(f"# {path.stem[:2]} · "), f"{path.name}: the title carries the notebook's number"
+    for what in ("**Goal:**", "**Prerequisites:**", "**Reading time:**", "**Running time:**"):
+        assert what in top, f"{path.name}: the first cell states {what}"
+    assert "measured on a 2-core CPU" in top and "RUNTIME" not in top, f"{path.name}: state the measured run time"
+    # prerequisites name only earlier notebooks
+    earlier = {int(n) for n in re.findall(r"\b(\d\d)_[a-z]", top.split("**Prerequisites:**")[1].split("**")[0])}
+    assert earlier and max(earlier) < int(path.stem[:2]), f"{path.name}: prerequisites must come earlier: {earlier}"
+
+
+@pytest.mark.parametrize("path", LESSONS_B, ids=lambda p: p.stem)
+def test_lesson_b_ends_with_summary_chinese_answers_and_next(path):
+    nb = load(path)
+    mds = [c.source for c in nb.cells if c.cell_type == "markdown"]
+    heads = headings(nb)
+    assert "summary" in heads and "中文 小结" in heads and "check your understanding" in heads, path.name
+    order = [next(i for i, h in enumerate(heads) if h == name) for name in ("summary", "中文 小结",
+                                                                            "check your understanding")]
+    assert order == sorted(order), f"{path.name}: Summary, then 中文 小结, then Check your understanding"
+    zh = next(s for s in mds if "### 中文 小结" in s)
+    assert sum("\u4e00" <= ch <= "\u9fff" for ch in zh) > 150, f"{path.name}: the 中文 小结 is real Chinese text"
+    assert any(term in zh for term in ("零冗余优化器", "梯度", "优化器状态", "通信量", "卸载", "检查点")), path.name
+    last = mds[-1]
+    questions = re.findall(r"^\d\.\s", last, re.M)
+    assert questions and last.count("<details><summary>Answer</summary>") == len(questions), \
+        f"{path.name}: every question has its answer in a <details> block"
+    nxt = NEXT_LINK.search(last)
+    assert nxt, f"{path.name}: end with **Next:** [..](NN_name.ipynb)"
+    assert int(nxt.group(1)[:2]) > int(path.stem[:2]), f"{path.name}: Next points forward"
+
+
+@pytest.mark.parametrize("path", LESSONS_B, ids=lambda p: p.stem)
+def test_lesson_b_code_cells_are_short(path):
+    long = [(i, len(c.source.splitlines())) for i, c in enumerate(load(path).cells)
+            if c.cell_type == "code" and len(c.source.splitlines()) > MAX_CODE_LINES]
+    assert not long, f"{path.name}: code cells over {MAX_CODE_LINES} lines (cell, lines): {long}"

@@ -298,3 +298,41 @@ def test_alpha_beta_lines_can_be_told_apart():
     assert len({ln.get_linestyle() for ln in models}) == 2
     measured = [ln for ln in ax.get_lines() if ln.get_gid() == "measured"]
     assert len({ln.get_marker() for ln in measured}) == 3
+
+
+# ---- notebooks 05-10 (course part B) ------------------------------------------------------------------------------
+
+def test_scaling_plot_starts_at_zero_and_draws_floors():
+    fig = viz.scaling_plot({"stage 1": {1: 16.0, 2: 10.0, 4: 7.0}}, floors={"4 Psi": 4.0, "2 Psi": 2.0}, unit="B")
+    ax = fig.axes[0]
+    assert ax.get_ylim()[0] == 0
+    floors = sorted(line.get_ydata()[0] for line in ax.get_lines() if line.get_gid() == "floor")
+    assert floors == [2.0, 4.0]
+    assert {t.get_text() for t in ax.texts} == {"4 Psi", "2 Psi"}
+    assert viz.scaling_plot({"s": {1: 10.0, 2: 5.0}}, logy=True, unit="B").axes[0].get_ylim()[0] > 0
+
+
+def test_offload_timelines_share_x_and_name_every_lane():
+    t0 = 100.0
+    step = {"t0": t0, "compute": [("forward", t0, t0 + 0.01), ("backward", t0 + 0.01, t0 + 0.03),
+                                  ("step", t0 + 0.03, t0 + 0.04)],
+            "adam": [("adam", t0 + 0.031, t0 + 0.035)],
+            "events": [("d2h", "offload", t0 + 0.02, 0.001), ("h2d", "offload", t0 + 0.036, 0.001),
+                       ("reduce_scatter", "grads", t0 + 0.015, 0.002)]}
+    short = {**step, "compute": step["compute"][:2]}
+    fig = viz.offload_timelines({"a": step, "b": short})
+    a, b = fig.axes
+    assert a.get_xlim() == b.get_xlim()                     # one x range for both panels
+    lanes = [t.get_text() for t in a.get_yticklabels()]
+    assert lanes == list(viz.OFFLOAD_LANES)
+    labels = [t.get_text() for t in a.get_legend().get_texts()]
+    assert labels[:3] == ["compute: forward", "compute: backward", "compute: step"]
+    assert {"Adam on the host CPU", "device -> host", "host -> device", "NVMe -> host", "host -> NVMe",
+            "collective: reduce-scatter"} <= set(labels)
+    boxes = {c.get_gid(): c for c in a.collections if isinstance(c, PolyCollection)}
+    assert {"compute:forward", "cpu adam", "offload:d2h", "offload:h2d", "comm:reduce_scatter"} <= set(boxes)
+    # the d2h copy sits in the d2h lane (index 2), from 20 ms
+    x0, y0 = boxes["offload:d2h"].get_paths()[0].vertices.min(axis=0)
+    assert x0 == pytest.approx(20.0) and y0 == pytest.approx(2 - 0.4)
+    with pytest.raises(ValueError, match="no step"):
+        viz.offload_timelines({})

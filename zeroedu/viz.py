@@ -25,7 +25,8 @@ from zeroedu.fmt import approx
 from zeroedu.memory import CATEGORIES
 
 __all__ = ["CATEGORY_COLORS", "OP_COLORS", "PHASE_COLORS", "alpha_beta_plot", "approx", "backward_segments",
-           "fmt_bytes", "grouped_bars", "ledger_bars", "memory_bars", "ring_grid", "scaling_plot", "table", "timeline",
+           "fmt_bytes", "grouped_bars", "ledger_bars", "memory_bars", "offload_timelines", "ring_grid", "scaling_plot",
+           "table", "timeline",
            "timeline_data"]
 
 # One colour per memory category, in stacking order: model states first (the paper's three, plus fp32 master
@@ -354,15 +355,17 @@ def timeline(ranks: Sequence[Mapping], title: str = "What each rank does, over t
 def scaling_plot(measured: Mapping[str, Mapping[int, float]], theory: Mapping[str, Mapping[int, float]] | None = None,
                  title: str = "Model-state bytes per rank vs number of ranks", unit: str | None = None,
                  ax=None, logy: bool = False, xlabel: str = "data-parallel ranks N",
-                 ylabel: str = "bytes per rank") -> Figure:
-    """Measured points (one series per stage, {N: bytes}) over theory curves drawn as lines, ZeRO Figure-1 style.
+                 ylabel: str = "bytes per rank", floors: Mapping[str, float] | None = None) -> Figure:
+    """Measured points (one series per stage, {N: bytes}) over theory curves drawn as lines.
 
-    The x axis is log2 with a tick at every measured x; `xlabel`/`ylabel` name other sweeps (e.g. bytes sent
-    per step against gradient accumulation steps)."""
+    The x axis is log2 with a tick at every measured x; a linear y axis starts at 0, so heights compare as
+    ratios. `xlabel`/`ylabel` name other sweeps (e.g. bytes sent per step against gradient accumulation steps).
+    `floors` ({label: bytes}) draws dashed horizontal lines, e.g. the limits 4Psi and 2Psi that stages 1 and 2
+    approach as N grows."""
     if not measured:
         raise ValueError("scaling_plot: nothing to draw")
     top = max([v for d in measured.values() for v in d.values()]
-              + [v for d in (theory or {}).values() for v in d.values()] + [1])
+              + [v for d in (theory or {}).values() for v in d.values()] + list((floors or {}).values()) + [1])
     name, scale = _unit_for(top, unit)
     fig, ax = _new_axes(ax)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -381,8 +384,15 @@ def scaling_plot(measured: Mapping[str, Mapping[int, float]], theory: Mapping[st
     ax.set_xscale("log", base=2)
     ax.set_xticks(ns, [str(n) for n in ns])
     ax.minorticks_off()
+    for label, y in (floors or {}).items():
+        line = ax.axhline(y / scale, color=THEORY_COLOR, lw=1, ls="--", alpha=0.6, zorder=0)
+        line.set_gid("floor")
+        ax.annotate(label, (1.0, y / scale), xycoords=("axes fraction", "data"), xytext=(-4, 3),
+                    textcoords="offset points", ha="right", va="bottom", fontsize=TICK_SIZE)
     if logy:
         ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(f"{ylabel} ({name})")
     ax.set_title(title)
@@ -464,5 +474,59 @@ def ring_grid(states: Sequence[np.ndarray], titles: Sequence[str] | None = None,
         ax.set_title(titles[s] if titles else f"after step {s}", fontsize=9)
         ax.grid(False)
     fig.suptitle(suptitle, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# ---- notebook 08_offload ----------------------------------------------------------------------------------------
+OFFLOAD_LANES = ("compute", "cpu adam", "d2h", "h2d", "nvme2h", "h2nvme", "collectives")
+# Colours of their own: the collectives keep OP_COLORS (all-gather blue, reduce-scatter orange) in the last lane.
+OFFLOAD_COLORS = {"cpu adam": "#8172B3", "d2h": "#937860", "h2d": "#DA8BC3", "nvme2h": "#55A868", "h2nvme": "#CCB974"}
+OFFLOAD_LANE_LABELS = {"d2h": "device -> host", "h2d": "host -> device", "nvme2h": "NVMe -> host",
+                       "h2nvme": "host -> NVMe", "cpu adam": "Adam on the host CPU"}
+
+
+def offload_timelines(steps: Mapping[str, Mapping], min_width: float = 1 / 400) -> Figure:
+    """One step of one rank per panel ({title: step}), a lane each for compute, the host's Adam, every kind of
+    copy between tiers and the collectives. A step is {"t0", "compute": [(phase, start, end)], "adam": [(what,
+    start, end)], "events": [(op, kind, start, seconds)]}, as zeroedu.course.offload_runs returns it.
+
+    The panels share one x axis (ms since each step started), so their lengths compare; copies shorter than
+    `min_width` of the longest step are drawn that wide, so that they can be seen. The legend names every lane's
+    colours: the compute phases, the host optimizer, each direction of copy and each collective."""
+    if not steps:
+        raise ValueError("offload_timelines: no step to draw")
+    fig, axes = plt.subplots(len(steps), 1, figsize=(10, 0.6 + 2.9 * len(steps)), dpi=DPI, sharex=True,
+                             squeeze=False)
+    span = max(max(e for _, _, e in tl["compute"]) - tl["t0"] for tl in steps.values())
+    seen_ops: list[str] = []
+    for ax, (title, tl) in zip(axes[:, 0], steps.items(), strict=True):
+        t0 = tl["t0"]
+
+        def bar(lane: str, start: float, seconds: float, color: str, gid: str, ax=ax, t0=t0) -> None:
+            ax.broken_barh([((start - t0) * 1e3, max(seconds, span * min_width) * 1e3)],
+                           (OFFLOAD_LANES.index(lane) - 0.4, 0.8), facecolors=color, gid=gid)
+
+        for phase, s, e in tl["compute"]:
+            bar("compute", s, e - s, PHASE_COLORS.get(phase, "#ccc"), f"compute:{phase}")
+        for _, s, e in tl["adam"]:
+            bar("cpu adam", s, e - s, OFFLOAD_COLORS["cpu adam"], "cpu adam")
+        for op, kind, s, sec in tl["events"]:
+            if kind == "offload":
+                bar(op, s, sec, OFFLOAD_COLORS.get(op, "#999"), f"offload:{op}")
+            else:
+                bar("collectives", s, sec, OP_COLORS.get(op, "#999"), f"comm:{op}")
+                if op not in seen_ops:
+                    seen_ops.append(op)
+        ax.set_yticks(range(len(OFFLOAD_LANES)), OFFLOAD_LANES)
+        ax.set_ylim(len(OFFLOAD_LANES) - 0.5, -0.5)
+        ax.set_title(title)
+        _apply_axes_style(ax, grid_axis="x")
+    axes[-1, 0].set_xlabel("ms since the step started")
+    handles = [Patch(facecolor=PHASE_COLORS[p], label=f"compute: {p}") for p in ("forward", "backward", "step")]
+    handles += [Patch(facecolor=OFFLOAD_COLORS[k], label=OFFLOAD_LANE_LABELS[k]) for k in OFFLOAD_COLORS]
+    handles += [Patch(facecolor=OP_COLORS.get(o, "#999"), label=f"collective: {o.replace('_', '-')}")
+                for o in seen_ops]
+    _legend(axes[0, 0], handles=handles)
     fig.tight_layout()
     return fig
