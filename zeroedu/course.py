@@ -215,3 +215,63 @@ def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, seq
     if sequence_parallel:
         return base / t
     return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+# -- the choosing notebook's check of the planner ---------------------------------------------------------------
+def time_ring_collectives(sizes: Sequence[int] = (16 * 1024, 128 * 1024, 1024 * 1024, 4 * 1024 * 1024),
+                          tries: int = 3) -> list[tuple[str, int, int, float]]:
+    """On a rank: time zeroedu's ring all-reduce, reduce-scatter and all-gather of each size in bytes (fp32), the
+    fastest of `tries` (each after a barrier). Returns (op, bytes, world size, seconds) samples for
+    planner.calibrate."""
+    from zeroedu.comm import Comm
+    world_size = dist.get_world_size()
+    comm, samples = Comm(implementation="ring"), []
+    for nbytes in sizes:
+        x, piece = torch.ones(nbytes // 4), torch.ones(nbytes // 4 // world_size)
+        for op in ("all_reduce", "reduce_scatter", "all_gather"):
+            best = float("inf")
+            for _ in range(tries):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if op == "all_reduce":
+                    comm.all_reduce(x, average=False)
+                elif op == "reduce_scatter":
+                    comm.reduce_scatter(piece, x, average=False)
+                else:
+                    comm.all_gather(x, piece)
+                best = min(best, time.perf_counter() - t0)
+            samples.append((op, nbytes, world_size, best))
+    return samples
+
+
+def ledger_of_one_step(rank: int, world_size: int, d_model: int = 128, n_layer: int = 4) -> tuple[dict, int]:
+    """Train a TinyGPT two steps at every stage, with ring collectives, no overlap and no stage-3 prefetch, so
+    that each collective's time in the ledger is its own. Returns ({stage: the ledger rows of step 1}, psi)."""
+    import zeroedu
+    from zeroedu.models import TinyGPT, TinyGPTConfig, gpt_batch, gpt_loss, shard_batch
+    cfg, steps = TinyGPTConfig(d_model=d_model, n_layer=n_layer), {}
+    for stage in theory.STAGES:
+        engine, *_ = zeroedu.initialize(model=TinyGPT(cfg, seed=0), config={
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "bf16": {"enabled": True}, "comm_implementation": "ring",
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 100_000, "overlap_comm": False,
+                                  "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0}})
+        for step in range(2):
+            x, y = shard_batch(*gpt_batch(step, 2 * world_size, cfg), rank, world_size)
+            engine.backward(gpt_loss(engine(x), y))
+            engine.step()
+        steps[stage] = [r for r in engine.ledger.rows() if r["step"] == 1 and r["kind"] in ("params", "grads")]
+    return steps, engine.layout.numel
+
+
+def clock_and_ledger(rank: int, world_size: int) -> dict:
+    """One launch of notebook 13: the timed collectives (the clock) and one step's ledger at every stage."""
+    samples = time_ring_collectives()
+    steps, psi = ledger_of_one_step(rank, world_size)
+    return {"samples": samples, "steps": steps, "psi": psi}
+
+
+def slowest_rank_samples(results: Sequence[dict]) -> list[tuple[str, int, int, float]]:
+    """Each timed collective at the time of its slowest rank: a collective ends when its last rank is done."""
+    return [(op, nbytes, n, max(r["samples"][i][3] for r in results))
+            for i, (op, nbytes, n, _) in enumerate(results[0]["samples"])]

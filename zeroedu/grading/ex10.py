@@ -102,7 +102,8 @@ SHEET_A = [
        "ZeRO-1 with 8 accumulation steps sends what DDP sends per optimizer step.", stage=1, n=8, accum=8),
     _c("A5", "comm_ratio", 1.0, "ZeRO-2 开 4 步梯度累积，每个优化器步的通信量也与 DDP 相同。",
        "ZeRO-2 with 4 accumulation steps also sends what DDP sends per optimizer step.", stage=2, n=8, accum=4),
-    _c("A6", "offload_pcie", 14.0, "ZeRO-Offload（Stage 2，7B，8 卡，bf16）每卡每步经 PCIe 传约 14 GB：fp32 梯度下去、fp32 参数回来。",
+    _c("A6", "offload_pcie", 14.0,
+       "ZeRO-Offload（Stage 2，7B，8 卡，bf16）每卡每步经 PCIe 传约 14 GB：fp32 梯度下去、fp32 参数回来。",
        "ZeRO-Offload (stage 2, 7B, 8 GPUs, bf16) moves about 14 GB per GPU per step over PCIe: fp32 gradients down, "
        "fp32 parameters back.", psi=7e9, n=8),
     _c("A7", "zeropp_ratio", 0.25, "ZeRO++ 三项（qwZ、hpZ、qgZ）全开，跨节点通信量约为 ZeRO-3 的 1/4。",
