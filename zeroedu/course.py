@@ -7,35 +7,68 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from zeroedu import theory
+from zeroedu.memory import MODEL_STATES
 
 GB = theory.GB
 
 
-# =============================================================================================================
-# 13_choosing and 15_interview
-# =============================================================================================================
+# ---- notebooks 00-04 (course part A): these four helpers are copied verbatim from part A's branch (c13a), so
+# that notebooks 13 and 15 use the same names; when merging, keep part A's block and drop this copy. ------------
+def model_states(memory: Mapping[str, int]) -> dict[str, int]:
+    """The four model-state categories of an engine's memory report (0 where absent)."""
+    return {c: memory.get(c, 0) for c in MODEL_STATES}
+
+
+def min_time(fn: Callable[[], object], repeats: int = 3, barrier: bool = True) -> float:
+    """The fastest of `repeats` timed calls of fn (the run least disturbed by other processes), in seconds.
+    With `barrier`, all ranks start each call together, so a collective's time is not a rank's wait."""
+    best = float("inf")
+    for _ in range(repeats):
+        if barrier and dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def markdown_table(rows: Iterable[Sequence], headers: Sequence[str]) -> str:
-    """A GitHub-flavoured Markdown table; `|` inside a cell is escaped so a cell cannot split."""
-    def cell(x) -> str:
-        return str(x).replace("|", "\\|").replace("\n", " ")
+    """A GitHub-flavoured Markdown table (for course.show); `|` in a cell is escaped."""
+    def cell(v) -> str:
+        text = f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+        return text.replace("|", "\\|").replace("\n", " ")
+
     lines = ["| " + " | ".join(cell(h) for h in headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
+    for row in rows:
+        if len(row) != len(headers):
+            raise ValueError(f"markdown_table: a row has {len(row)} cells, the headers {len(headers)}: {row!r}")
+        lines.append("| " + " | ".join(cell(v) for v in row) + " |")
     return "\n".join(lines)
 
 
-def show_markdown(text: str):
-    """Render Markdown in the notebook (nbval compares its text/plain twin, which is the same text)."""
+def show(text: str) -> None:
+    """Display `text` as Markdown in the notebook (prose rendered from measured values cannot go stale).
+
+    Outside IPython (a script, a test) it prints the text."""
+    from IPython import get_ipython
     from IPython.display import Markdown, display
-    display(Markdown(text))
+
+    if get_ipython() is None:
+        print(text)
+    else:
+        display(Markdown(text))
 
 
+# =============================================================================================================
+# ---- notebooks 13_choosing and 15_interview (the capstone): course part C
+# =============================================================================================================
 GRADES = ("right", "partly right", "wrong")
 
 
@@ -185,11 +218,6 @@ def interview_evidence(ckpt_dir: str | None = None) -> dict:
     return {4: four, 2: two}
 
 
-def model_state_total(resident: dict) -> int:
-    """Bytes of the four model states in an engine.memory()['resident'] dict."""
-    return sum(resident.get(c, 0) for c in theory.MODEL_STATES)
-
-
 def cpu_adam_rate(numel: int = 2_000_000, repeats: int = 3) -> float:
     """Parameters per second that torch's fused Adam steps on this CPU (fp32 master + two fp32 moments), the
     best of `repeats` steps: the rate a host optimizer step of offload runs at here."""
@@ -197,12 +225,7 @@ def cpu_adam_rate(numel: int = 2_000_000, repeats: int = 3) -> float:
     p.grad = torch.randn(numel)
     opt = torch.optim.Adam([p], lr=1e-3, fused=True)
     opt.step()                                              # allocate the moments outside the timing
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        opt.step()
-        best = min(best, time.perf_counter() - t0)
-    return numel / best
+    return numel / min_time(opt.step, repeats, barrier=False)
 
 
 def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False) -> float:
@@ -221,26 +244,17 @@ def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, seq
 def time_ring_collectives(sizes: Sequence[int] = (16 * 1024, 128 * 1024, 1024 * 1024, 4 * 1024 * 1024),
                           tries: int = 3) -> list[tuple[str, int, int, float]]:
     """On a rank: time zeroedu's ring all-reduce, reduce-scatter and all-gather of each size in bytes (fp32), the
-    fastest of `tries` (each after a barrier). Returns (op, bytes, world size, seconds) samples for
+    fastest of `tries` (each after a barrier, min_time). Returns (op, bytes, world size, seconds) samples for
     planner.calibrate."""
     from zeroedu.comm import Comm
     world_size = dist.get_world_size()
     comm, samples = Comm(implementation="ring"), []
     for nbytes in sizes:
         x, piece = torch.ones(nbytes // 4), torch.ones(nbytes // 4 // world_size)
-        for op in ("all_reduce", "reduce_scatter", "all_gather"):
-            best = float("inf")
-            for _ in range(tries):
-                dist.barrier()
-                t0 = time.perf_counter()
-                if op == "all_reduce":
-                    comm.all_reduce(x, average=False)
-                elif op == "reduce_scatter":
-                    comm.reduce_scatter(piece, x, average=False)
-                else:
-                    comm.all_gather(x, piece)
-                best = min(best, time.perf_counter() - t0)
-            samples.append((op, nbytes, world_size, best))
+        run = {"all_reduce": lambda x=x: comm.all_reduce(x, average=False),
+               "reduce_scatter": lambda x=x, piece=piece: comm.reduce_scatter(piece, x, average=False),
+               "all_gather": lambda x=x, piece=piece: comm.all_gather(x, piece)}
+        samples += [(op, nbytes, world_size, min_time(fn, tries)) for op, fn in run.items()]
     return samples
 
 
