@@ -111,7 +111,7 @@ def engine_summary(engine, step: int = 1, since: float | None = None, timeline_s
 
     mem = engine.memory()
     out = {
-        "rank": engine.rank, "stage": engine.stage, "psi": sum(p.numel() for p in engine.params),
+        "rank": engine.rank, "stage": engine.stage, "psi": engine.layout.numel,
         "memory": mem["resident"], "model_states": mem["model_states"], "peak": mem["peak"],
         "peak_phase": mem["peak_phase"],
         "per_step": engine.ledger.per_step(step),
