@@ -347,8 +347,8 @@ def _call_site() -> str:
         module = frame.f_globals.get("__name__", "")
         if module.split(".", 1)[0] not in ("torch", "zeroedu"):
             break
-        if module.startswith("zeroedu") and module != __name__:
-            via = module
+        if module.startswith("zeroedu") and module != __name__ and via is None:
+            via = module   # the innermost: the zeroedu module that ran the collective
         frame = frame.f_back
     if frame is None:
         return f"in {via}" if via else "at an unknown line"
