@@ -109,13 +109,13 @@ class RankHangError(LaunchError):
         self.culprits = culprits
 
 
-class LaunchTimeoutError(LaunchError):
-    """launch() ran longer than the `timeout` it was given and stopped the ranks: a limit, not a diagnosis."""
+class LaunchTimeoutError(RankHangError):
+    """launch() ran longer than the `timeout` it was given and stopped the ranks: a limit, not a diagnosis. (A
+    RankHangError subclass only so that code catching the old error for both keeps working; its message says
+    which it is, and it blames no rank.)"""
 
     def __init__(self, message: str, statuses: dict[int, str], stacks: dict[int, str]) -> None:
-        super().__init__(message)
-        self.statuses = statuses
-        self.stacks = stacks
+        super().__init__(message, statuses, stacks, [])
 
 
 # -- shipping functions by value ---------------------------------------------------------------------------
