@@ -725,6 +725,9 @@ def test_a_signal_to_the_parent_leaves_no_folder(sig, tmp_path):
         assert parent.returncode == -getattr(signal, sig), (parent.returncode, out, err)
     assert _left(nvme, tmp) == []
     assert not any(_alive(p) for p in ranks)
+    # before stopping them, where each rank was: a run stuck where no check sees still shows its line
+    assert "zeroedu launch(train_forever) interrupted after" in err and "--- rank 1 ---" in err
+    assert "in train_forever" in err, err
 
 
 @pytest.mark.timeout(180)

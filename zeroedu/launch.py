@@ -949,6 +949,9 @@ class _Run:
             self.slots = slots = _Slots(os.path.join(self.dir, "status"), self.world_size, create=True)
             self._start(port)
             return self._monitor()
+        except (KeyboardInterrupt, _Stopped):
+            self._say_where_on_interrupt()
+            raise
         finally:
             self._stop()
             for c in self.conns:
@@ -1105,25 +1108,28 @@ class _Run:
         if self.timeout is not None and now - self.t0 > self.timeout:
             raise self._timeout_error(views, now)
 
-    def _timeout_error(self, views: list[_View], now: float) -> LaunchTimeoutError:
+    def _where(self, views: list[_View], now: float) -> tuple[dict[int, str], dict[int, str], str]:
+        """Every rank's status and Python stack, and both as the text that errors show."""
         statuses = {v.rank: _describe(v, now) for v in views}
         stacks = self._stacks()
-        last = max((v.state["t"] for v in views if v.state), default=self.t0)
         lines = "\n".join(f"  rank {r}: {s}" for r, s in statuses.items())
         dumps = "\n".join(f"--- rank {r} ---\n{_indent(s or '(no stack: the process did not answer)')}"
                           for r, s in stacks.items())
+        return statuses, stacks, (f"Status of every rank:\n{lines}\n\nPython stack of every rank (faulthandler, "
+                                  f"most recent call first):\n{dumps}")
+
+    def _timeout_error(self, views: list[_View], now: float) -> LaunchTimeoutError:
+        statuses, stacks, where = self._where(views, now)
+        last = max((v.state["t"] for v in views if v.state), default=self.t0)
         return LaunchTimeoutError(
             f"launch({self.fn_name}) stopped at its time limit: it ran {now - self.t0:.1f} s > timeout="
             f"{self.timeout} s, the limit this call passed, so the ranks were stopped. That is a limit, not a "
             f"diagnosis: the last change of any rank's status was {now - last:.1f} s ago (hangs in a collective "
-            f"are what hang_timeout catches).\nStatus of every rank:\n{lines}\n\nPython stack of every rank "
-            f"(faulthandler, most recent call first):\n{dumps}\n\nPass a larger timeout, or timeout=None (the "
-            "default) for no limit.", statuses, stacks)
+            f"are what hang_timeout catches).\n{where}\n\nPass a larger timeout, or timeout=None (the default) "
+            "for no limit.", statuses, stacks)
 
     def _hang_error(self, views: list[_View], what: str) -> RankHangError:
-        now = time.time()
-        statuses = {v.rank: _describe(v, now) for v in views}
-        stacks = self._stacks()
+        statuses, stacks, where = self._where(views, time.time())
         culprits = _holdouts(views)
         if culprits:
             blame = "Likely culprit: " + "; ".join(f"rank {r} ({why})" for r, why in sorted(culprits.items()))
@@ -1131,13 +1137,21 @@ class _Run:
             blame = "Every rank waits in the same collective: look at the stacks below."
         else:
             blame = "No rank is in a collective: fn is slow or stuck in user code on every rank."
-        lines = "\n".join(f"  rank {r}: {s}" for r, s in statuses.items())
-        dumps = "\n".join(f"--- rank {r} ---\n{_indent(s or '(no stack: the process did not answer)')}"
-                          for r, s in stacks.items())
         fix = "If a rank legitimately computes that long between collectives, raise hang_timeout (None: off)."
-        return RankHangError(f"ranks hung: {what}.\n{blame}\n\nStatus of every rank:\n{lines}\n\nPython stack of "
-                             f"every rank (faulthandler, most recent call first):\n{dumps}\n\n{fix}",
-                             statuses, stacks, sorted(culprits))
+        return RankHangError(f"ranks hung: {what}.\n{blame}\n\n{where}\n\n{fix}", statuses, stacks,
+                             sorted(culprits))
+
+    def _say_where_on_interrupt(self) -> None:
+        """Ctrl-C (or SIGTERM) during a launch: before the ranks are stopped, print where each one was, so that
+        a run stuck in something no check sees (a lock, a queue, an endless loop) still shows its line."""
+        if getattr(self, "slots", None) is None or not self.procs:
+            return
+        try:
+            _, _, where = self._where(self._views({}), time.time())
+        except Exception:   # never let the report hide the interrupt itself
+            return
+        print(f"zeroedu launch({self.fn_name}) interrupted after {time.time() - self.t0:.1f} s; the ranks are "
+              f"being stopped.\n{where}", file=sys.stderr, flush=True)
 
     def _stacks(self) -> dict[int, str]:
         """Ask every live rank for its Python stack (faulthandler prints it on SIGUSR1) and read the files."""
