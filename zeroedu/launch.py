@@ -966,7 +966,7 @@ class _Run:
         ctx = _mp_context()
         start_timeout = min(START_TIMEOUT, self.timeout or START_TIMEOUT)
         # torch's own limit on one collective stays above both of ours, so that ours are the ones that speak
-        pg_timeout = max(PG_TIMEOUT, *(t + START_TIMEOUT for t in (self.timeout, self.hang_timeout) if t))
+        pg_timeout = max([PG_TIMEOUT, *(t + START_TIMEOUT for t in (self.timeout, self.hang_timeout) if t)])
         env, path, cwd = dict(os.environ), list(sys.path), os.getcwd()
         self.t0 = time.time()
         with _main_without_a_file():
