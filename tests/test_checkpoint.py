@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -565,3 +566,181 @@ def test_crash_mid_save_keeps_previous_checkpoint(saved, tmp_path):
     assert not os.path.exists(os.path.join(d, ".b.partial"))
     assert checkpoint.read_metadata(os.path.join(d, "b"))["world_size"] == 1
     assert checkpoint.consolidate(d, "b").keys() == before.keys()
+
+
+# -- hostile metadata, interrupted commits, a full disk ---------------------------------------------------------
+
+def save_small(rank: int, world: int, d: str, tag: str) -> None:
+    engine, *_ = zeroedu.initialize(model=make("quirky"), config=cfg(1, world))
+    train(engine, "quirky", rank, world, 1)
+    engine.save_checkpoint(d, tag)
+
+
+def load_refused(rank: int, world: int, dirs: list[str]) -> list[str | None]:
+    engine, *_ = zeroedu.initialize(model=make("quirky"), config=cfg(1, world))
+    out = []
+    for d in dirs:
+        try:
+            engine.load_checkpoint(d)
+            out.append(None)
+        except CheckpointError as e:
+            out.append(str(e))
+    return out
+
+
+def rehash(meta_file: str, edit) -> None:
+    """Edit a metadata.json and make its self-hash match again, as anyone crafting one can."""
+    meta = json.load(open(meta_file))
+    edit(meta)
+    body = {k: v for k, v in meta.items() if k != "metadata_sha256"}
+    meta["metadata_sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    json.dump(meta, open(meta_file, "w"))
+
+
+class FifoWatch:
+    """A named pipe that records whether anything opened it for reading: opening a FIFO for reading blocks
+    until a writer comes, and a non-blocking open for writing succeeds only while a reader is there."""
+
+    def __init__(self, path: str) -> None:
+        import threading
+        os.mkfifo(path)
+        self.path, self.opened, self.stop = path, False, threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        import time
+        while not self.stop.is_set():
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:          # ENXIO: no reader
+                time.sleep(0.005)
+                continue
+            self.opened = True
+            os.close(fd)             # the reader sees EOF and goes on
+
+    def close(self) -> bool:
+        self.stop.set()
+        self.thread.join(2)
+        return self.opened
+
+
+@pytest.mark.timeout(180)
+def test_metadata_naming_a_file_outside_the_checkpoint_is_refused_before_opening(tmp_path):
+    good = str(tmp_path / "good")
+    zeroedu.launch(save_small, world_size=2, args=(good, "t"))
+    fifo = FifoWatch(str(tmp_path / "secret"))     # outside every checkpoint folder
+    crafted = {}
+    for how in ("absolute", "relative", "symlink"):
+        d = str(tmp_path / how)
+        shutil.copytree(good, d)
+        shard = os.path.join(d, "t", "rank1.pt")
+        if how == "symlink":                       # a plain name, but a link that leads out of the folder
+            os.remove(shard)
+            os.symlink(fifo.path, shard)
+        else:
+            name = fifo.path if how == "absolute" else "../../secret"
+            rehash(os.path.join(d, "t", "metadata.json"), lambda m, name=name: m["files"][1].update(name=name))
+        crafted[how] = d
+    try:
+        for d in crafted.values():
+            with pytest.raises(CheckpointError, match="which is not a file inside"):
+                checkpoint.consolidate(d)
+        loads = zeroedu.launch(load_refused, world_size=2, args=(list(crafted.values()),))
+    finally:
+        opened = fifo.close()
+    assert not opened, "a shard path outside the checkpoint folder was opened"
+    for rank in range(2):
+        for how, msg in zip(crafted, loads[rank], strict=True):
+            assert msg is not None and "is not a file inside" in msg and "refused" in msg, (rank, how, msg)
+    assert checkpoint.consolidate(good).keys()      # the untouched copy still loads
+
+
+def test_an_interrupted_commit_lists_the_tag_that_still_loads(tmp_path):
+    src = tmp_path / "src"
+    zeroedu.launch(save_small, world_size=2, args=(str(src), "kept"))
+    d = str(tmp_path / "ck")
+    shutil.copytree(src, d)
+    # What a crash between the commit's two renames leaves: the old checkpoint moved aside, the new not in yet.
+    os.rename(os.path.join(d, "kept"), os.path.join(d, ".kept.previous"))
+    with pytest.raises(CheckpointError, match=r"tags here: \['kept'\]"):
+        checkpoint.resolve(d, "nope")
+    os.remove(os.path.join(d, "latest"))
+    with pytest.raises(CheckpointError, match=r"tags here: \['kept'\]"):
+        checkpoint.resolve(d)
+    assert_same(checkpoint.consolidate(d, "kept"), checkpoint.consolidate(str(src), "kept"), "the moved-aside one")
+
+
+def save_twice(rank: int, world: int, d: str, fsize_limit: bool) -> dict:
+    """Save "a", then "b" where it cannot fit; report what the second save said and what is left."""
+    import resource
+    import signal
+    engine, *_ = zeroedu.initialize(model=make("quirky"), config=cfg(1, world))
+    train(engine, "quirky", rank, world, 1)
+    engine.save_checkpoint(d, "a")
+    train(engine, "quirky", rank, world, 1)
+    mine = os.path.getsize(os.path.join(d, "a", f"rank{rank}.pt"))
+    if fsize_limit:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)    # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (mine // 2, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    try:
+        engine.save_checkpoint(d, "b")
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    dist.barrier()
+    return {"error": error, "a_bytes": mine, "left": sorted(os.listdir(d)),
+            "latest": open(os.path.join(d, "latest")).read(),
+            "a_loads": sorted(checkpoint.consolidate(d, "a")) == sorted(engine.module.state_dict())}
+
+
+DISK_FULL_SCRIPT = """
+import json, sys
+sys.path[:0] = [{tests!r}]
+import test_checkpoint, zeroedu
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(zeroedu.launch(test_checkpoint.save_twice, world_size=2, args=(sys.argv[1], False))))
+"""
+
+
+def check_disk_full_result(results: list[dict], kind: str) -> None:
+    errors = [r["error"] for r in results]
+    assert errors[0] is not None and errors[0] == errors[1], errors     # every rank raises the same error
+    m = re.search(r"rank(\d)\.pt needs ([\d,]+) bytes, ([\d,]+) bytes are free" if kind == "tmpfs" else
+                  r"rank(\d)\.pt needs ([\d,]+) bytes, but this process may write files of at most ([\d,]+) bytes",
+                  errors[0])
+    assert m, errors[0]
+    rank, need, have = int(m.group(1)), int(m.group(2).replace(",", "")), int(m.group(3).replace(",", ""))
+    assert need == results[rank]["a_bytes"]    # the same shard, one step later: the same size on disk
+    assert have < need
+    for r in results:
+        assert r["left"] == ["a", "latest"], r["left"]    # the partial folder is gone, "a" stays and loads
+        assert r["latest"] == "a" and r["a_loads"]
+
+
+@pytest.mark.timeout(180)
+def test_disk_full_during_save_names_the_bytes_and_removes_the_partial_folder(tmp_path):
+    """A real tmpfs too small for a second checkpoint, mounted in a private mount namespace."""
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("needs `unshare -rm` to mount a small tmpfs (the file-size limit test covers the rest)")
+    script = tmp_path / "full.py"
+    script.write_text(DISK_FULL_SCRIPT.format(tests=os.path.dirname(__file__)))
+    d = tmp_path / "small"
+    d.mkdir()
+    # one checkpoint of this model takes about 40 KiB: room for one, not two
+    cmd = f'mount -t tmpfs -o size=64k tmpfs "$1" && exec "{sys.executable}" "{script}" "$1"'
+    out = subprocess.run(["unshare", "-rm", "sh", "-c", cmd, "sh", str(d)], capture_output=True, text=True,
+                         timeout=170, cwd=tmp_path)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, out.stdout + out.stderr
+    results = json.loads(lines[0][len("RESULT "):])
+    check_disk_full_result(results, "tmpfs")
+    assert "no space left on tmpfs (mounted on " in results[0]["error"]
+
+
+@pytest.mark.timeout(180)
+def test_file_size_limit_during_save_names_the_bytes_and_removes_the_partial_folder(tmp_path):
+    results = zeroedu.launch(save_twice, world_size=2, args=(str(tmp_path / "ck"), True))
+    check_disk_full_result(results, "rlimit")
+    assert "RLIMIT_FSIZE" in results[0]["error"]

@@ -149,3 +149,52 @@ def test_subgroups_share_the_ledger_and_record_their_ranks():
     assert [r[0] for r in results] == [1.0, 1.0, 5.0, 5.0]
     # A 1-element tensor on 2 ranks: padded to 2 elements, each rank sends 1 element twice = 8 bytes.
     assert results[0][1] == [((0, 1), 8)] and results[3][1] == [((2, 3), 8)]
+
+
+# -- a bounded ledger -------------------------------------------------------------------------------------------
+
+def bounded_ledger_run(rank: int, world: int, steps: int) -> dict:
+    """Two identical stage-3 runs: one ledger keeps every entry (the reference, summed here by hand), the other
+    keeps 40 entries and 5 steps of aggregates."""
+    from reference import make
+    from workers import config, run_steps
+
+    engines = []
+    for keep in (None, 40):
+        engine, *_ = zeroedu.initialize(model=make("quirky"), config=config(3, bucket=60))
+        engine.ledger.max_entries, engine.ledger.max_steps = keep, (None if keep is None else 5)
+        run_steps(engine, "quirky", rank, world, steps)
+        engines.append(engine)
+    full, bounded = (e.ledger for e in engines)
+    try:
+        bounded.per_step(0)
+        old = None
+    except KeyError as e:
+        old = str(e)
+    return {"full": full, "bounded": bounded, "old_step": old}
+
+
+def by_hand(entries, step=None, kinds=("params", "grads")) -> dict:
+    out: dict = {}
+    for e in entries:
+        if (step is None or e.step == step) and e.kind in kinds:
+            out[f"{e.phase}/{e.op}"] = out.get(f"{e.phase}/{e.op}", 0) + e.sent_bytes
+    return {**out, "total": sum(out.values())}
+
+
+def test_a_bounded_ledger_keeps_exact_aggregates_and_a_window_of_entries():
+    steps = 12
+    r = zeroedu.launch(bounded_ledger_run, world_size=2, args=(steps,))[0]   # the ledgers travel back pickled
+    full, bounded = r["full"], r["bounded"]
+    assert full.dropped == 0 and len(full) > 60
+    assert len(bounded) <= 40 + 40 // 8 and bounded.dropped == len(full) - len(bounded)
+    assert [(e.op, e.step, e.sent_bytes) for e in bounded] == [(e.op, e.step, e.sent_bytes)
+                                                                for e in full[-len(bounded):]]
+    assert bounded.steps() == list(range(steps - 5, steps))
+    for s in range(steps - 5, steps):                    # aggregates of the kept steps: exact
+        assert bounded.per_step(s) == by_hand(full, s) == full.per_step(s)
+        assert list(bounded.per_step(s)) == list(by_hand(full, s))   # the same keys in the same order
+    assert bounded.totals() == by_hand(full) == full.totals()       # running totals: every step since the start
+    assert bounded.totals(kinds=("params",), field="calls")["total"] == sum(e.kind == "params" for e in full)
+    assert "step 0 is older than the 5 steps this ledger keeps" in r["old_step"]
+    assert full.per_step(0) == by_hand(full, 0)

@@ -45,6 +45,7 @@ Offload and other engines plug in with three optional methods; without them the 
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import os
@@ -236,6 +237,11 @@ def read_metadata(path: str) -> dict:
     if meta.get("metadata_sha256") != _self_hash(meta):
         raise CheckpointError(f"{f} was modified after it was saved: its metadata_sha256 does not match its "
                               "content. Restore the original file.")
+    files = meta.get("files")
+    if not isinstance(files, list) or not all(isinstance(i, dict) for i in files):
+        raise CheckpointError(f"{f}: \"files\" is not a list of shard entries: the metadata was crafted or damaged")
+    for info in files:
+        _shard_path(path, info)   # every path checked before any shard is opened
     return meta
 
 
@@ -289,16 +295,102 @@ def _write(path: str, write) -> None:
         os.fsync(f.fileno())
 
 
+class _Counter:
+    """A file-like sink that only counts what is written to it: the size a torch.save would have on disk."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def write(self, data) -> int:
+        self.bytes += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def _device(path: str) -> str:
+    """The file system that holds `path`: its device (or tmpfs, ...) and mount point, as /proc/self/mounts says."""
+    mount = os.path.realpath(path)
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    try:
+        with open("/proc/self/mounts") as f:
+            devices = [line.split()[0] for line in f if line.split()[1:2] == [mount]]
+    except OSError:
+        devices = []
+    return f"{devices[-1]} (mounted on {mount})" if devices else mount
+
+
+def _errno_of(e: BaseException) -> int | None:
+    """The errno behind an exception, looking through its causes: torch.save reports a failed write as
+    RuntimeError("... unexpected pos ...") with the OSError only in __context__."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.errno
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _write_checked(path: str, write) -> None:
+    """_write, and when the disk (or the file-size limit) is full: remove the piece written and say how many
+    bytes the file needs and how many there are, instead of torch's "unexpected pos"."""
+    try:
+        _write(path, write)
+    except Exception as e:
+        code = _errno_of(e)
+        if code not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+        need = _Counter()
+        write(need)
+        folder = os.path.dirname(os.path.abspath(path))
+        if code == errno.EFBIG:
+            import resource  # POSIX only, as file-size limits are
+
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            raise CheckpointError(f"file too large: {path} needs {need.bytes:,} bytes, but this process may write "
+                                  f"files of at most {limit:,} bytes (RLIMIT_FSIZE, `ulimit -f`). Raise the limit, "
+                                  "or shard the state over more ranks.") from e
+        free = shutil.disk_usage(folder).free
+        quota = " (or the disk quota is used up)" if code == errno.EDQUOT else ""
+        raise CheckpointError(f"no space left on {_device(folder)}{quota}: {os.path.basename(path)} needs "
+                              f"{need.bytes:,} bytes, {free:,} bytes are free. Free some space or save to "
+                              "another folder.") from e
+
+
 def _write_atomic(path: str, write) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    _write(tmp, write)
+    _write_checked(tmp, write)
     os.replace(tmp, path)
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
+def _shard_path(path: str, info: dict) -> str:
+    """The file a metadata entry names, refused before anything opens it unless it is a plain file name inside
+    the checkpoint folder. The metadata's own hash proves only that it was not edited by accident: anyone can
+    write a metadata.json, with a matching hash, that names /etc/passwd or ../../secret."""
+    name = info.get("name") if isinstance(info, dict) else None
+    f = os.path.join(path, name) if isinstance(name, str) else ""
+    inside = bool(name) and os.path.basename(name) == name and name not in (".", "..") and \
+        os.path.commonpath([os.path.realpath(path), os.path.realpath(f)]) == os.path.realpath(path) and \
+        os.path.realpath(f) != os.path.realpath(path)
+    if not inside:
+        raise CheckpointError(f"{os.path.join(path, METADATA)} names the shard file {name!r}, which is not a file "
+                              f"inside {path} (or a link out of it): refused, nothing was opened. A checkpoint's "
+                              "files all live in its own folder; this metadata was crafted or damaged. Use a "
+                              "checkpoint saved by zeroedu.")
+    return f
+
+
 def _check_file(path: str, info: dict) -> str:
     """The file exists and has the size and sha256 that the metadata recorded; returns its path."""
-    f = os.path.join(path, info["name"])
+    f = _shard_path(path, info)
     if not os.path.exists(f):
         raise CheckpointError(f"{f} is missing: {METADATA} lists it (rank {info['rank']}'s shard), so the "
                               "checkpoint is incomplete. Copy the whole checkpoint directory.")
@@ -319,7 +411,7 @@ def _check_file(path: str, info: dict) -> str:
 
 def _open_shard(path: str, info: dict, meta: dict, checked: bool = False) -> dict:
     """torch.load one rank file after checking it against the metadata; raise CheckpointError naming it."""
-    f = os.path.join(path, info["name"]) if checked else _check_file(path, info)
+    f = _shard_path(path, info) if checked else _check_file(path, info)
     try:
         data = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
@@ -362,8 +454,17 @@ def resolve(checkpoint_dir: str, tag: str | None = None) -> str:
 
 
 def _tags(checkpoint_dir: str) -> list[str]:
-    return sorted(d for d in os.listdir(checkpoint_dir)
-                  if not d.startswith(".") and os.path.exists(os.path.join(checkpoint_dir, d, METADATA)))
+    """The tags that load: DIR/TAG, and DIR/.TAG.previous where a commit replacing TAG was interrupted (resolve
+    finds it there)."""
+    tags = set()
+    for d in os.listdir(checkpoint_dir):
+        if not os.path.exists(os.path.join(checkpoint_dir, d, METADATA)):
+            continue
+        if not d.startswith("."):
+            tags.add(d)
+        elif d.endswith(".previous") and not os.path.isdir(os.path.join(checkpoint_dir, d[1:-len(".previous")])):
+            tags.add(d[1:-len(".previous")])
+    return sorted(tags)
 
 
 def _check_tag(tag: str) -> None:
@@ -392,10 +493,13 @@ def _gather(engine, obj: Any) -> list:
     return out
 
 
-def _raise_first(results: list, what: str) -> None:
-    """Raise the same CheckpointError on every rank if any rank failed (results: error text or None)."""
+def _raise_first(results: list, what: str, partial: str | None = None) -> None:
+    """Raise the same CheckpointError on every rank if any rank failed (results: error text or None). Every rank
+    has stopped writing by then, so the one given `partial` (rank 0) removes that unfinished save first."""
     failed = [(r, e) for r, e in enumerate(results) if e]
     if failed:
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
         r, e = failed[0]
         more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
         raise CheckpointError(f"{what} failed on rank {r}{more}: {e}")
@@ -471,27 +575,29 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
         }
         name = f"rank{rank}.pt"
         f = os.path.join(partial, name)
-        _write(f, lambda fh: torch.save(shard, fh))
+        _write_checked(f, lambda fh: torch.save(shard, fh))
         info = {"name": name, "rank": rank, "bytes": os.path.getsize(f), "sha256": _sha256(f),
                 "tensor_bytes": sum(t.numel() * t.element_size() for t in [shard["master"], *shard["optimizer"]
                                                                          .values()])}
     except Exception as e:   # every rank learns of it below, instead of waiting forever for this one
-        error = f"{type(e).__name__}: {e}"
+        error = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
     results = _gather(engine, (error, info))
-    _raise_first([e for e, _ in results], "save_checkpoint")
+    _raise_first([e for e, _ in results], "save_checkpoint", partial if rank == 0 else None)
 
     error = None
     if rank == 0:
         try:
             meta = _metadata(engine, tag, [i for _, i in results], elem, scalars, extras)
-            _write(os.path.join(partial, METADATA), lambda fh: fh.write(json.dumps(meta, indent=1).encode()))
+            _write_checked(os.path.join(partial, METADATA),
+                           lambda fh: fh.write(json.dumps(meta, indent=1).encode()))
             _fsync_dir(partial)
             _commit(partial, final)
             if save_latest:
                 _write_atomic(os.path.join(save_dir, LATEST), lambda fh: fh.write(tag.encode()))
         except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-    _raise_first(_gather(engine, error), "save_checkpoint")   # nobody returns before the checkpoint exists
+            error = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+    # nobody returns before the checkpoint exists
+    _raise_first(_gather(engine, error), "save_checkpoint", partial if rank == 0 else None)
     return final
 
 

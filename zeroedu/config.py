@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,6 +187,21 @@ def _float(section: str, key: str, value: Any, lo: float) -> float:
     return float(value)
 
 
+def _refuse_non_finite(value: Any, where: str = "") -> None:
+    """Every number in the config must be finite: JSON files may spell NaN and Infinity, and Python's json reads
+    them. lr=inf trains into NaN losses and gradient_clipping=NaN silently turns clipping off (NaN > 0 is false),
+    so refuse them wherever they appear, before any key is read."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _refuse_non_finite(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _refuse_non_finite(v, f"{where}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"'{where}' must be a finite number, got {value!r}. Write the number itself (a limit "
+                          "that is off is 0 or the key left out, as DeepSpeed's defaults do).")
+
+
 def _section(raw: dict[str, Any], key: str) -> dict[str, Any]:
     value = raw.get(key, {})
     if not isinstance(value, dict):
@@ -313,6 +329,7 @@ def load_config(config: dict[str, Any] | str | os.PathLike | Config | None) -> C
             raise ConfigError(f"config file {path!r} is not valid JSON: {e}.") from None
     if not isinstance(config, dict):
         raise ConfigError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}.")
+    _refuse_non_finite(config)
     top = {
         "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping", "optimizer",
         "fp16", "bf16", "zero_optimization", "comm_implementation",

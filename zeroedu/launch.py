@@ -25,6 +25,8 @@ import atexit
 import ctypes
 import datetime
 import faulthandler
+import functools
+import inspect
 import io
 import json
 import linecache
@@ -51,23 +53,26 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveMismatchError", "LaunchError", "RankError", "RankHangError", "in_launched_rank",
-           "init_distributed", "launch", "report_status"]
+__all__ = ["CollectiveMismatchError", "LaunchError", "LaunchTimeoutError", "RankError", "RankHangError",
+           "in_launched_rank", "init_distributed", "launch", "report_status"]
 
 MEMORY_PER_RANK_GB = 0.5    # rough resident size of one rank process (torch + gloo + a tiny model)
 START_TIMEOUT = 60.0        # seconds for every rank to start and join the process group
 MISMATCH_SECONDS = 1.0      # two ranks stuck in different collectives this long: a mismatch, not a lag
-KILL_GRACE = 1.0            # seconds between SIGTERM and SIGKILL when stopping ranks
+KILL_GRACE = 3.0            # seconds between SIGTERM and SIGKILL when stopping ranks (their exit handlers run)
 STACK_WAIT = 0.5            # seconds to wait for faulthandler stack dumps
 POLL = 0.1                  # seconds between looks at the status slots
+PG_TIMEOUT = 1800.0         # torch's default limit on one collective (30 min), kept unless ours need more
 # forkserver where the platform has it (Linux, macOS); ZEROEDU_START_METHOD=spawn to compare.
 START_METHOD = os.environ.get("ZEROEDU_START_METHOD") or (
     "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
 
-_SLOT_BYTES = 1024          # per rank: u32 version, u32 length, JSON status
+_SLOT_BYTES = 4096          # per rank: u32 version, u32 length, JSON status
 _HISTORY = 3                # collectives remembered per group, to tell a lagging rank from a mismatched one
 _TAIL_LINES = 30
-_P2P_OPS = {"send", "recv"}  # point-to-point: ranks legitimately run different ops
+_P2P_OPS = {"send", "recv", "isend", "irecv"}  # point-to-point: ranks legitimately run different ops
+_RUN_DIR_PREFIX = "zeroedu-launch-"
+_STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
 # -- errors -------------------------------------------------------------------------------------------------
@@ -95,13 +100,22 @@ class CollectiveMismatchError(LaunchError):
 
 
 class RankHangError(LaunchError):
-    """A rank waited in a collective longer than hang_timeout, or launch() exceeded its timeout."""
+    """A rank waited in a collective longer than hang_timeout."""
 
     def __init__(self, message: str, statuses: dict[int, str], stacks: dict[int, str], culprits: list[int]) -> None:
         super().__init__(message)
         self.statuses = statuses
         self.stacks = stacks
         self.culprits = culprits
+
+
+class LaunchTimeoutError(RankHangError):
+    """launch() ran longer than the `timeout` it was given and stopped the ranks: a limit, not a diagnosis. (A
+    RankHangError subclass only so that code catching the old error for both keeps working; its message says
+    which it is, and it blames no rank.)"""
+
+    def __init__(self, message: str, statuses: dict[int, str], stacks: dict[int, str]) -> None:
+        super().__init__(message, statuses, stacks, [])
 
 
 # -- shipping functions by value ---------------------------------------------------------------------------
@@ -174,6 +188,16 @@ class _RankContext:
         self.lock = threading.Lock()  # the comm thread and the main thread both report
         self.status = "starting"
         self.done: dict[str, list[list]] = {}  # group key -> [[seq, sig, time], ...] newest last
+        self.local = threading.local()         # .inside: this thread is in a collective it reported
+        self.seqs: dict[str, int] = {}         # torch.distributed's own collectives, counted per group
+
+    def inside(self) -> bool:
+        return getattr(self.local, "inside", False)
+
+    def next_seq(self, key: str) -> int:
+        with self.lock:
+            self.seqs[key] = self.seqs.get(key, 0) + 1
+            return self.seqs[key]
 
     def set(self, status: str) -> None:
         with self.lock:
@@ -186,10 +210,13 @@ class _RankContext:
             if text is None:
                 self.status = "running"
             elif len(parts) == 4 and parts[0] in ("waiting", "done") and parts[2].lstrip("-").isdigit():
+                self.local.inside = parts[0] == "waiting"
                 if parts[0] == "waiting":
                     self.status = text
                 else:
                     history = self.done.setdefault(parts[1], [])
+                    if history and history[-1][0] == int(parts[2]):   # an async op, issued and now waited for
+                        history.pop()
                     history.append([int(parts[2]), parts[3], time.time()])
                     del history[:-_HISTORY]
                     self.status = "running"
@@ -232,6 +259,123 @@ def report_status(text: str | None) -> None:
         ctx.report(text)
 
 
+# -- torch.distributed's own collectives, watched -------------------------------------------------------------
+
+# The course (notebook 02, exercise 2) and learners call torch.distributed directly, not only through zeroedu's
+# comm layer. Inside a launched rank these are wrapped so that they report to the launcher too: a mismatch or a
+# hang in raw torch.distributed is then named like one in zeroedu's collectives. (torch's own checker,
+# TORCH_DISTRIBUTED_DEBUG=DETAIL, would run an extra collective before every one to compare fingerprints.)
+_DIST_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                     "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all",
+                     "all_to_all_single", "all_reduce_coalesced", "barrier", "monitored_barrier", "gather",
+                     "scatter", "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+_DIST_P2P = ("send", "recv", "isend", "irecv")
+_UNEVEN = {"all_to_all", "all_to_all_single"}   # ranks may pass different sizes: compare the dtype only
+_RAW = "torch.distributed"
+
+
+def _watch_torch_distributed() -> None:
+    """Replace torch.distributed's collectives in this rank with versions that report to the launcher."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for name in _DIST_COLLECTIVES + _DIST_P2P:
+        fn = getattr(c10d, name, None)
+        if fn is None or getattr(fn, "_zeroedu_watched", False):
+            continue
+        watched = _watched(name, fn)
+        for module in (dist, c10d):
+            if getattr(module, name, None) is fn:
+                setattr(module, name, watched)
+
+
+def _watched(name: str, fn: Callable) -> Callable:
+    names = list(inspect.signature(fn).parameters)
+    p2p = name in _DIST_P2P
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        ctx = _CONTEXT
+        if ctx is None or ctx.inside():   # zeroedu's comm layer (or the caller) reported this one already
+            return fn(*args, **kwargs)
+        bound = {**dict(zip(names, args, strict=False)), **kwargs}
+        try:
+            key = _raw_key(name, bound, p2p)
+        except Exception:                 # a group or peer torch will refuse: let torch say what is wrong
+            return fn(*args, **kwargs)
+        sig = f"{_RAW}.{name}{_tensors_text(name, bound)} ({_call_site()})"
+        seq = ctx.next_seq(key)
+        ctx.report(f"waiting|{key}|{seq}|{sig}")
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            ctx.report(f"done|{key}|{seq}|{sig}")
+        if result is not None and (bound.get("async_op") or name in ("isend", "irecv")):
+            return _WatchedWork(result, key, seq, sig)
+        return result
+
+    call._zeroedu_watched = True
+    return call
+
+
+def _raw_key(name: str, bound: dict, p2p: bool) -> str:
+    group = bound.get("group")
+    if not p2p:
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+        return f"{','.join(map(str, ranks))} ({_RAW})"
+    peer = bound.get("dst") if name in ("send", "isend") else bound.get("src")
+    if peer is None:
+        return f"p2p ({_RAW})"           # recv from any rank
+    me = dist.get_rank()
+    return f"{min(me, peer)},{max(me, peer)} (p2p)"
+
+
+def _tensors_text(name: str, bound: dict) -> str:
+    for value in bound.values():
+        t = value[0] if isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor) else value
+        if isinstance(t, torch.Tensor):
+            dtype = str(t.dtype).removeprefix("torch.")
+            many = f"{len(value)} x " if t is not value else ""
+            return f" {many}{dtype}" if name in _UNEVEN else f" {many}{dtype}[{t.numel()}]"
+    return ""
+
+
+def _call_site() -> str:
+    """The line that called the collective: the first frame outside torch and zeroedu (and the zeroedu module
+    in between, if any), e.g. "at train.py:12" or "at train.py:30 via zeroedu.checkpoint"."""
+    frame, via = sys._getframe(2), None
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.split(".", 1)[0] not in ("torch", "zeroedu"):
+            break
+        if module.startswith("zeroedu") and module != __name__ and via is None:
+            via = module   # the innermost: the zeroedu module that ran the collective
+        frame = frame.f_back
+    if frame is None:
+        return f"in {via}" if via else "at an unknown line"
+    where = f"at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return f"{where} via {via}" if via else where
+
+
+class _WatchedWork:
+    """The Work of an asynchronous torch.distributed call: waiting on it is reported, as a blocking call is."""
+
+    def __init__(self, work: Any, key: str, seq: int, sig: str) -> None:
+        self._work, self._key, self._seq, self._sig = work, key, seq, sig
+
+    def wait(self, *args, **kwargs):
+        ctx = _CONTEXT
+        if ctx is None or ctx.inside():
+            return self._work.wait(*args, **kwargs)
+        ctx.report(f"waiting|{self._key}|{self._seq}|{self._sig}")
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            ctx.report(f"done|{self._key}|{self._seq}|{self._sig}")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
 # -- what the parent reads from the slots --------------------------------------------------------------------
 
 class _View:
@@ -263,13 +407,14 @@ def _same(sig_a: str, sig_b: str) -> bool:
 
 
 def _op(sig: str) -> str:
-    return sig.split(" ", 1)[0]
+    return sig.split(" ", 1)[0].rsplit(".", 1)[-1]
 
 
 def _members(key: str, views: list[_View]) -> list[int]:
-    """Global ranks of a group: from its key "0,1,2,3", else every rank that ever used that key."""
+    """Global ranks of a group: from its key "0,1,2,3" (torch.distributed's: "0,1,2,3 (torch.distributed)"),
+    else every rank that ever used that key."""
     try:
-        return [int(r) for r in key.split(",")]
+        return [int(r) for r in key.split(" ", 1)[0].split(",")]
     except ValueError:
         return [v.rank for v in views if v.history(key) or (v.waiting and v.waiting[0] == key)]
 
@@ -393,7 +538,7 @@ def _trim_stack(text: str) -> str:
     multiprocessing bootstrap frames below _rank_main (faulthandler prints the most recent call first)."""
     blocks = []
     for block in text.strip().split("\n\n"):
-        if "in _watch_parent" in block:
+        if "in _watch_parent" in block or "in _wait_for_stop_signal" in block:
             continue
         lines = block.splitlines()
         cut = next((i for i, line in enumerate(lines) if line.endswith(" in _rank_main")), None)
@@ -410,16 +555,54 @@ def _tail(path: str, n: int = _TAIL_LINES) -> str:
     return "\n".join(lines[-n:])
 
 
-def _exit_text(code: int) -> str:
+def _exit_text(code: int, pid: int | None = None) -> str:
     if code >= 0:
         return f"exit code {code}"
     try:
         name = signal.Signals(-code).name
     except ValueError:
         name = f"signal {-code}"
-    hint = {"SIGKILL": " -- the kernel's out-of-memory killer does this: try a smaller model or world_size",
+    hint = {"SIGKILL": " (the kernel's out-of-memory killer, a user or a job scheduler)",
+            "SIGTERM": " (a user, a job scheduler or a container runtime asked it to stop)",
             "SIGSEGV": " -- a crash in native code", "SIGBUS": " -- a crash in native code"}.get(name, "")
+    if name == "SIGKILL" and pid is not None:
+        line = _kernel_kill_line(_kernel_log(), pid)
+        hint += (f". The kernel log says: {line!r} -- out of memory: try a smaller model or world_size" if line else
+                 ". The kernel log has no out-of-memory entry for it (or cannot be read here: `dmesg` shows it)")
     return f"killed by {name}{hint}"
+
+
+def _kernel_log() -> list[str]:
+    """The kernel's log lines, newest last, where this user may read them (/dev/kmsg); else []."""
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return []
+    lines = []
+    try:
+        while True:
+            try:
+                record = os.read(fd, 8192)   # one record per read
+            except BlockingIOError:
+                break
+            except OSError as e:
+                if e.errno == 32:            # EPIPE: overwritten while we read; the next read goes on
+                    continue
+                break
+            if not record:
+                break
+            lines.append(record.decode(errors="replace").split(";", 1)[-1].split("\n", 1)[0])
+    finally:
+        os.close(fd)
+    return lines
+
+
+def _kernel_kill_line(lines: list[str], pid: int) -> str | None:
+    """The out-of-memory killer's line about `pid` (mm/oom_kill.c: "Out of memory: Killed process PID (comm)
+    ..." or "Memory cgroup out of memory: Killed process PID ..."), the newest if several."""
+    pattern = re.compile(rf"Killed process {pid}\b")
+    found = [line.strip() for line in lines if pattern.search(line)]
+    return found[-1] if found else None
 
 
 def _indent(text: str, prefix: str = "    ") -> str:
@@ -491,7 +674,34 @@ def _watch_parent(conn: Connection, release: threading.Event) -> None:
             return
     except (EOFError, OSError):
         pass
+    _run_exit_handlers(2.0)
     os._exit(1)
+
+
+def _exit_cleanly_on_stop_signals() -> None:
+    """SIGTERM, SIGINT or SIGHUP (launch stopping this rank, a user, a job scheduler): run the exit handlers (an
+    engine's NVMe swap folder is deleted there), then die of that signal. The signals are blocked in every
+    thread and taken by one thread with sigwait: a Python signal handler runs only in the main thread, which
+    may be blocked in a collective for as long as the hang lasts. Call it before any other thread starts, so
+    that every thread inherits the mask."""
+    if not hasattr(signal, "pthread_sigmask"):
+        return
+    stop = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+    signal.signal(signal.SIGINT, signal.SIG_DFL)   # all three now end the process once unblocked
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+
+    def _wait_for_stop_signal() -> None:
+        sig = signal.sigwait(stop)
+        _run_exit_handlers(max(0.5, KILL_GRACE - 1.0))
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except (OSError, ValueError):
+                pass
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})   # this thread only: the signal lands here
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=_wait_for_stop_signal, name="zeroedu-stop-signals", daemon=True).start()
 
 
 def _rank_main(rank: int, world_size: int, port: int, backend: str, conn: Connection, run_dir: str,
@@ -499,6 +709,7 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, conn: Connec
                start_timeout: float) -> None:
     global _CONTEXT
     _die_with_parent()
+    _exit_cleanly_on_stop_signals()
     # Capture output at the file-descriptor level, so gloo's C++ messages land in the files too.
     for fd, name in ((1, "stdout"), (2, "stderr")):
         log = os.open(os.path.join(run_dir, f"rank{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
@@ -527,6 +738,7 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, conn: Connec
     threading.Thread(target=_watch_parent, args=(conn, release), name="zeroedu-parent-watch", daemon=True).start()
     _CONTEXT = _RankContext(rank, _Slots(os.path.join(run_dir, "status"), world_size, create=False))
     _CONTEXT.set("starting")
+    _watch_torch_distributed()   # before fn arrives: fn may hold torch.distributed's functions themselves
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # 4 ranks on 2 cores: 1 thread each
@@ -583,6 +795,117 @@ FORKSERVER_PRELOAD = ["torch", "torch._dynamo"]
 
 # -- the parent ----------------------------------------------------------------------------------------------
 
+def _process_identity(pid: int) -> str:
+    """"PID START": START is when the process started (Linux: clock ticks after boot, /proc/PID/stat), so that
+    a new process that got the same pid is not taken for the old one. Empty if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f"{pid} {f.read().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return ""
+    except OSError:
+        pass   # alive, another user's
+    return f"{pid} ?"
+
+
+def _remove_stale_run_dirs() -> list[str]:
+    """Delete the folders of launches whose process is gone (killed by SIGKILL, which no cleanup survives), and
+    say so on stderr. A folder without an owner file (being created, or from an older zeroedu) is left alone."""
+    root = tempfile.gettempdir()
+    removed = []
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(_RUN_DIR_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            with open(os.path.join(path, "owner")) as f:
+                owner = f.read().strip()
+            pid = int(owner.split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        now = _process_identity(pid)
+        if now and (now == owner or now.endswith(" ?") or owner.endswith(" ?")):
+            continue                        # its launch is still running
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files
+                   if os.path.isfile(os.path.join(d, f)))
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(path)
+            print(f"zeroedu launch: removed {path} ({size:,} bytes), left by a launch whose process (pid {pid}) "
+                  "was killed before it could clean up", file=sys.stderr, flush=True)
+    return removed
+
+
+class _Stopped(BaseException):
+    """SIGTERM or SIGHUP arrived while launch() ran: unwinds it like KeyboardInterrupt, so that it cleans up."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class _StopSignals:
+    """While a launch runs in the main thread, SIGTERM and SIGHUP stop it the way Ctrl-C does: the ranks are
+    stopped (their exit handlers run) and the run folder is removed. Then the signal does what it would have
+    done: with the default action the process dies of it, a handler of the program's own is called."""
+
+    def __enter__(self) -> _StopSignals:
+        self.old: dict[int, Any] = {}
+        self.caught: int | None = None
+        if threading.current_thread() is threading.main_thread():
+            for sig in _STOP_SIGNALS:
+                old = signal.getsignal(sig)
+                if old not in (signal.SIG_IGN, None):   # nohup's SIGHUP stays ignored
+                    self.old[sig] = old
+                    signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.caught is None:   # a second one during cleanup must not cut the cleanup short
+            self.caught = signum
+            raise _Stopped(signum)
+
+    def __exit__(self, kind, error, tb) -> None:
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
+        if not isinstance(error, _Stopped):
+            return
+        old = self.old[error.signum]
+        if old is signal.SIG_DFL:
+            os.kill(os.getpid(), error.signum)   # dies of it now that the ranks and the folder are gone
+            time.sleep(1)
+        elif callable(old):
+            old(error.signum, None)
+        raise LaunchError(f"launch() was stopped by {signal.Signals(error.signum).name}; the ranks were stopped "
+                          "and their folder removed.") from None
+
+
+class _main_without_a_file:
+    """multiprocessing re-runs the parent's __main__ file in every child. `python - <<EOF` (and an interactive
+    session) has a __main__ whose file, "<stdin>", does not exist, and every rank died trying to read it. fn
+    and its arguments travel by value (cloudpickle), so a rank needs nothing from such a __main__: hide its
+    file name while the ranks start."""
+
+    def __enter__(self) -> None:
+        main = sys.modules.get("__main__")
+        path = getattr(main, "__file__", None)
+        self.main, self.path = None, None
+        if main is not None and isinstance(path, str) and getattr(main, "__spec__", None) is None and \
+                not os.path.isfile(path):
+            self.main, self.path = main, path
+            del main.__file__
+
+    def __exit__(self, *exc) -> None:
+        if self.main is not None:
+            self.main.__file__ = self.path
+
+
 def _mp_context() -> mp.context.BaseContext:
     ctx = mp.get_context(START_METHOD)
     if START_METHOD == "forkserver":
@@ -605,10 +928,17 @@ class _Run:
         self.conns: list[Connection] = []
 
     def run(self) -> list:
-        self.dir = tempfile.mkdtemp(prefix="zeroedu-launch-")
+        _remove_stale_run_dirs()
+        with _StopSignals():
+            return self._run()
+
+    def _run(self) -> list:
+        self.dir = tempfile.mkdtemp(prefix=_RUN_DIR_PREFIX)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         slots = None
         try:
+            with open(os.path.join(self.dir, "owner"), "w") as f:   # for the next launch, should this one be killed
+                f.write(_process_identity(os.getpid()))
             sock.bind(("127.0.0.1", 0))
             sock.listen(self.world_size + 8)
             port = sock.getsockname()[1]
@@ -619,6 +949,9 @@ class _Run:
             self.slots = slots = _Slots(os.path.join(self.dir, "status"), self.world_size, create=True)
             self._start(port)
             return self._monitor()
+        except (KeyboardInterrupt, _Stopped):
+            self._say_where_on_interrupt()
+            raise
         finally:
             self._stop()
             for c in self.conns:
@@ -632,9 +965,14 @@ class _Run:
     def _start(self, port: int) -> None:
         ctx = _mp_context()
         start_timeout = min(START_TIMEOUT, self.timeout or START_TIMEOUT)
-        pg_timeout = self.timeout + START_TIMEOUT if self.timeout else None
+        # torch's own limit on one collective stays above both of ours, so that ours are the ones that speak
+        pg_timeout = max([PG_TIMEOUT, *(t + START_TIMEOUT for t in (self.timeout, self.hang_timeout) if t)])
         env, path, cwd = dict(os.environ), list(sys.path), os.getcwd()
         self.t0 = time.time()
+        with _main_without_a_file():
+            self._start_ranks(ctx, port, env, path, cwd, pg_timeout, start_timeout)
+
+    def _start_ranks(self, ctx, port, env, path, cwd, pg_timeout, start_timeout) -> None:
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             p = ctx.Process(target=_rank_main, name=f"zeroedu-rank{rank}", args=(
@@ -729,10 +1067,15 @@ class _Run:
         code = self.procs[rank].exitcode
         state = self.slots.read(rank)
         hint = ""
-        if state is None:
-            hint = ("\nIt died before reaching zeroedu's rank entry point. If fn lives in a script, put the "
-                    "script's launch() call under `if __name__ == \"__main__\":` -- every rank imports the script.")
-        msg = (f"rank {rank} of {self.world_size} died without raising an exception: {_exit_text(code)}."
+        main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+        if state is None and main_file and os.path.isfile(main_file):
+            hint = (f"\nIt died before reaching zeroedu's rank entry point, while multiprocessing ran {main_file} "
+                    "in it: every rank runs the parent's script first. Put the script's launch() call under "
+                    "`if __name__ == \"__main__\":`.")
+        elif state is None:
+            hint = "\nIt died before reaching zeroedu's rank entry point (see its stderr below)."
+        msg = (f"rank {rank} of {self.world_size} died without raising an exception: "
+               f"{_exit_text(code, self.procs[rank].pid)}."
                f"{hint}{self._stderr(rank)}\n\nThe other ranks were stopped.")
         return RankError(msg, rank, "", code)
 
@@ -763,13 +1106,30 @@ class _Run:
                                           f"{v.waiting[0]}) for {v.waited(now):.1f} s > hang_timeout="
                                           f"{self.hang_timeout} s")
         if self.timeout is not None and now - self.t0 > self.timeout:
-            raise self._hang_error(views, f"launch({self.fn_name}) ran for {now - self.t0:.1f} s > "
-                                          f"timeout={self.timeout} s")
+            raise self._timeout_error(views, now)
 
-    def _hang_error(self, views: list[_View], what: str) -> RankHangError:
-        now = time.time()
+    def _where(self, views: list[_View], now: float) -> tuple[dict[int, str], dict[int, str], str]:
+        """Every rank's status and Python stack, and both as the text that errors show."""
         statuses = {v.rank: _describe(v, now) for v in views}
         stacks = self._stacks()
+        lines = "\n".join(f"  rank {r}: {s}" for r, s in statuses.items())
+        dumps = "\n".join(f"--- rank {r} ---\n{_indent(s or '(no stack: the process did not answer)')}"
+                          for r, s in stacks.items())
+        return statuses, stacks, (f"Status of every rank:\n{lines}\n\nPython stack of every rank (faulthandler, "
+                                  f"most recent call first):\n{dumps}")
+
+    def _timeout_error(self, views: list[_View], now: float) -> LaunchTimeoutError:
+        statuses, stacks, where = self._where(views, now)
+        last = max((v.state["t"] for v in views if v.state), default=self.t0)
+        return LaunchTimeoutError(
+            f"launch({self.fn_name}) stopped at its time limit: it ran {now - self.t0:.1f} s > timeout="
+            f"{self.timeout} s, the limit this call passed, so the ranks were stopped. That is a limit, not a "
+            f"diagnosis: the last change of any rank's status was {now - last:.1f} s ago (hangs in a collective "
+            f"are what hang_timeout catches).\n{where}\n\nPass a larger timeout, or timeout=None (the default) "
+            "for no limit.", statuses, stacks)
+
+    def _hang_error(self, views: list[_View], what: str) -> RankHangError:
+        statuses, stacks, where = self._where(views, time.time())
         culprits = _holdouts(views)
         if culprits:
             blame = "Likely culprit: " + "; ".join(f"rank {r} ({why})" for r, why in sorted(culprits.items()))
@@ -777,13 +1137,21 @@ class _Run:
             blame = "Every rank waits in the same collective: look at the stacks below."
         else:
             blame = "No rank is in a collective: fn is slow or stuck in user code on every rank."
-        lines = "\n".join(f"  rank {r}: {s}" for r, s in statuses.items())
-        dumps = "\n".join(f"--- rank {r} ---\n{_indent(s or '(no stack: the process did not answer)')}"
-                          for r, s in stacks.items())
         fix = "If a rank legitimately computes that long between collectives, raise hang_timeout (None: off)."
-        return RankHangError(f"ranks hung: {what}.\n{blame}\n\nStatus of every rank:\n{lines}\n\nPython stack of "
-                             f"every rank (faulthandler, most recent call first):\n{dumps}\n\n{fix}",
-                             statuses, stacks, sorted(culprits))
+        return RankHangError(f"ranks hung: {what}.\n{blame}\n\n{where}\n\n{fix}", statuses, stacks,
+                             sorted(culprits))
+
+    def _say_where_on_interrupt(self) -> None:
+        """Ctrl-C (or SIGTERM) during a launch: before the ranks are stopped, print where each one was, so that
+        a run stuck in something no check sees (a lock, a queue, an endless loop) still shows its line."""
+        if getattr(self, "slots", None) is None or not self.procs:
+            return
+        try:
+            _, _, where = self._where(self._views({}), time.time())
+        except Exception:   # never let the report hide the interrupt itself
+            return
+        print(f"zeroedu launch({self.fn_name}) interrupted after {time.time() - self.t0:.1f} s; the ranks are "
+              f"being stopped.\n{where}", file=sys.stderr, flush=True)
 
     def _stacks(self) -> dict[int, str]:
         """Ask every live rank for its Python stack (faulthandler prints it on SIGUSR1) and read the files."""
@@ -863,14 +1231,17 @@ def _launch_in_torchrun(fn: Callable, world_size: int, args: Sequence, kwargs: d
 
 
 def launch(fn: Callable, world_size: int = 4, args: Sequence = (), kwargs: dict | None = None,
-           backend: str = "auto", timeout: float | None = 300.0, hang_timeout: float | None = 30.0) -> list:
+           backend: str = "auto", timeout: float | None = None, hang_timeout: float | None = 30.0) -> list:
     """Run `fn(rank, world_size, *args, **kwargs)` on world_size ranks and return their results by rank.
 
     Each rank is a process with the default process group initialized (gloo, or NCCL with a GPU per rank) and
-    destroyed after fn. fn may be defined in a notebook cell. Failures raise LaunchError subclasses:
-    RankError (a rank raised or died), CollectiveMismatchError (ranks in different collectives),
-    RankHangError (a rank waited in a collective longer than hang_timeout seconds, or the launch took longer
-    than timeout seconds); each names the ranks, and a hang shows every rank's Python stack.
+    destroyed after fn. fn may be defined in a notebook cell, a script or a script piped on stdin. Collectives
+    are watched whether they go through zeroedu's comm layer or torch.distributed directly. Failures raise
+    LaunchError subclasses: RankError (a rank raised or died), CollectiveMismatchError (ranks in different
+    collectives), RankHangError (a rank waited in a collective longer than hang_timeout seconds); each names
+    the ranks, and a hang shows every rank's Python stack. `timeout` (default None: no limit) bounds the whole
+    launch in seconds; a launch stopped by it raises LaunchTimeoutError, which says so.
+    SIGTERM and SIGHUP stop a launch the way Ctrl-C does, cleaning up first.
     Under torchrun no process is started: fn runs here and the results are gathered from every rank.
     """
     if _CONTEXT is not None:
@@ -898,6 +1269,6 @@ def launch(fn: Callable, world_size: int = 4, args: Sequence = (), kwargs: dict 
 # `zeroedu.launch` is this function once zeroedu/__init__.py imports it, so the module's other names are also
 # reachable as attributes of it: zeroedu.launch.report_status(...), zeroedu.launch.init_distributed().
 for _name in ("report_status", "init_distributed", "in_launched_rank", "LaunchError", "RankError",
-              "CollectiveMismatchError", "RankHangError"):
+              "CollectiveMismatchError", "RankHangError", "LaunchTimeoutError"):
     setattr(launch, _name, globals()[_name])
 del _name

@@ -1,0 +1,64 @@
+"""Non-finite numbers in a config are refused wherever they appear, with the key's path in the message."""
+
+import json
+import math
+import sys
+
+import cloudpickle
+import pytest
+import torch
+
+import zeroedu
+from zeroedu.config import ConfigError, load_config
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the ranks need not import this test module
+
+BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2}}
+
+
+def with_value(path: str, value) -> dict:
+    cfg = json.loads(json.dumps(BASE))
+    *parents, last = path.split(".")
+    node = cfg
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[last] = value
+    return cfg
+
+
+@pytest.mark.parametrize("path, value", [
+    ("optimizer.params.lr", math.inf),                    # trained into NaN losses, silently
+    ("optimizer.params.lr", -math.inf),
+    ("optimizer.params.weight_decay", math.nan),
+    ("optimizer.params.betas", [0.9, math.nan]),
+    ("gradient_clipping", math.nan),                      # turned clipping off, silently
+    ("gradient_clipping", math.inf),
+    ("fp16.min_loss_scale", math.inf),
+    ("zero_optimization.reduce_bucket_size", math.inf),
+])
+def test_non_finite_numbers_are_refused(path, value):
+    cfg = with_value(path, value)
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg)
+    where = path + ("[1]" if isinstance(value, list) else "")
+    assert f"'{where}' must be a finite number" in str(err.value), str(err.value)
+
+
+def test_nan_and_infinity_in_a_json_file(tmp_path):
+    f = tmp_path / "ds.json"
+    f.write_text('{"train_micro_batch_size_per_gpu": 2, "gradient_clipping": NaN,'
+                 ' "optimizer": {"type": "Adam", "params": {"lr": Infinity}}}')
+    with pytest.raises(ConfigError, match="must be a finite number"):
+        load_config(str(f))
+    assert load_config(with_value("gradient_clipping", 1.0)).gradient_clipping == 1.0   # finite ones pass
+
+
+def _init_with_inf_lr(rank, world_size):
+    zeroedu.initialize(model=torch.nn.Linear(4, 4), config=with_value("optimizer.params.lr", math.inf))
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_initializing_with_lr_inf_fails_with_the_key():
+    with pytest.raises(zeroedu.launch.RankError, match=r"ConfigError: 'optimizer.params.lr' must be a finite"):
+        zeroedu.launch(_init_with_inf_lr, world_size=2)
