@@ -29,10 +29,13 @@ code inside a container or a throwaway VM.
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import contextlib
 import copy
 import csv
+import hashlib
+import io
 import json
 import logging
 import os
@@ -41,6 +44,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,9 +55,11 @@ from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
 
 from zeroedu.grading import notebook as nbtools
+from zeroedu.grading import remote
 from zeroedu.grading.build import default_dir
 
 GUARD_DIR = Path(__file__).resolve().parent / "guard"
+REFUSED_MARK = "zeroedu-grade-refused "   # guard/sitecustomize.py writes refusals after it
 PROBE_SECONDS = 5.0       # after a timeout, how long an interrupted kernel gets to answer again
 MAX_RESTARTS = 3          # fresh kernels per notebook after kills or crashes
 TIMEOUT_ENAME = "GraderTimeout"
@@ -186,11 +192,63 @@ def assemble(submission: Any, solution: Any) -> Any:
         cells.insert(position, _tagged(new, gid))
     nb = copy.deepcopy(solution)
     nb.cells = cells
+    answers = [c.source for c in solution.cells if nbtools.cell_info(c).role == "answer" and c.cell_type == "code"]
+    nb.metadata["zeroedu_grade"] = {"answer_names": sorted(set().union(*map(_defined, answers)))}
     for index, cell in enumerate(nb.cells):
         cell.id = f"graded-{index}"
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
     return nb
+
+
+def _defined(source: str) -> set[str]:
+    """Names a cell's top level binds (def, class, import, assignment, for)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        else:
+            names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return names
+
+
+def _loaded(source: str) -> set[str]:
+    try:
+        return {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    except SyntaxError:
+        return set()
+
+
+def places(nb: Any) -> list[str]:
+    """Where each cell of an assembled notebook runs when graded: "kernel" (the learner's answers and added
+    cells), "grader" (tests, and given cells that use the learner's names: they run here, on proxies), "both"
+    (given set-up code the answers need: imports, helpers), or "" (markdown)."""
+    answers = set(nb.metadata.get("zeroedu_grade", {}).get("answer_names", []))
+    out = []
+    for cell in nb.cells:
+        gid = cell.metadata.get("zeroedu_grade", {}).get("grade_id")
+        role = nbtools.cell_info(cell).role if gid else ("free" if cell.cell_type == "code" else "markdown")
+        if role == "markdown" or cell.cell_type != "code":
+            out.append("")
+        elif role == "test":
+            out.append("grader")
+        elif role == "locked":
+            out.append("grader" if _loaded(cell.source) & answers else "both")
+        else:
+            out.append("kernel")
+    return out
+
+
+def grader_names(nb: Any) -> set[str]:
+    """Names that the cells run by the grader bind: never looked up in the learner's kernel."""
+    return set().union(*(_defined(c.source) for c, where in zip(nb.cells, places(nb), strict=True)
+                         if where in ("grader", "both")))
 
 
 def _tagged(cell: Any, grade_id: str | None) -> Any:
@@ -232,14 +290,48 @@ class _Client(NotebookClient):
         return None
 
 
+class _LogPipe:
+    """A pipe for the kernel's stdout and stderr, copied into a file by a thread of the grader: the guard's
+    refusals written there stay, whatever the learner's code does to its own file descriptors."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        read, self.fd = os.pipe()
+        self.thread = threading.Thread(target=self._drain, args=(read,), daemon=True, name="zeroedu-kernel-log")
+        self.thread.start()
+
+    def _drain(self, read: int) -> None:
+        with open(self.path, "ab") as out, open(read, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(65536):
+                out.write(chunk)
+                out.flush()
+
+    def started(self) -> None:
+        """The kernel has its copy: close ours, so the pipe ends when the kernel and its children do."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def close(self) -> None:
+        self.started()
+        self.thread.join(timeout=2.0)
+
+
 class _Runner:
     """Runs one assembled notebook: one kernel (or a fresh one after a kill), one cell at a time."""
 
-    def __init__(self, nb: Any, workdir: Path, private: Path, limits: Limits) -> None:
+    def __init__(self, nb: Any, workdir: Path, private: Path, limits: Limits, sandbox: Any = None) -> None:
         self.nb = nb
         self.workdir = workdir
         self.private = private
         self.limits = limits
+        self.sandbox = sandbox
+        self.places = places(nb)
+        self.ns = remote.Namespace(grader_names(nb))   # names the grader's own cells define are never the learner's
+        self.client: _Client | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.kernel_lost = False
+        self.grader_error = ""
         self.runs: list[CellRun] = [CellRun("not run") for _ in nb.cells]
         self.notes: list[str] = []
         self.truncated = False
@@ -252,7 +344,7 @@ class _Runner:
         tmp = self.workdir / ".tmp"
         tmp.mkdir(exist_ok=True)
         env.update(
-            ZEROEDU_GRADE_ROOT=str(self.workdir), ZEROEDU_GRADE_LOG=str(self.private / "refused.jsonl"),
+            ZEROEDU_GRADE_ROOT=str(self.workdir), ZEROEDU_GRADE_CONFIG=str(self.private / "config.json"),
             PYTHONPATH=os.pathsep.join([str(GUARD_DIR), *filter(None, [env.get("PYTHONPATH")])]),
             TMPDIR=str(tmp), PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="Agg",
             # launch() inside a test gives up a little before the cell would be killed: a clearer message.
@@ -294,10 +386,14 @@ class _Runner:
                 replies[cell_index] = execute_reply.get("content", {})
 
         client.on_cell_executed = on_executed
-        log = open(self.private / "kernel.log", "ab")  # noqa: SIM115 -- the kernel writes to it until it ends
+        self.client, self.loop, self.kernel_lost = client, asyncio.get_running_loop(), False
+        log = _LogPipe(self.private / "kernel.log")  # the kernel's stdout and stderr: a pipe it cannot rewind
         self.pgid = None
+        if self.sandbox is not None:
+            client.km = self.sandbox.kernel_manager(client, self)
         try:
-            async with client.async_setup_kernel(env=self.env(), stdout=log, stderr=log):
+            async with client.async_setup_kernel(env=self.env(), stdout=log.fd, stderr=log.fd):
+                log.started()
                 self.pgid = getattr(client.km.provisioner, "pgid", None)
                 problem = await self._setup(client)
                 if problem:
@@ -309,8 +405,8 @@ class _Runner:
                     self.t0 = time.monotonic()  # the notebook's clock starts with its first cell, not the kernel
                 if replay:
                     for i in range(start):
-                        if self.runs[i].status == "ok" and self._role(i) not in ("test", "markdown"):
-                            status = await self._execute(client, replies, i, record=False)
+                        if self.runs[i].status == "ok" and self.places[i] in ("kernel", "both"):
+                            status = await self._kernel_cell(client, replies, i, record=False)
                             if status in ("killed", "died"):
                                 return start  # try again in another fresh kernel (MAX_RESTARTS bounds it)
                 for i in range(start, len(self.nb.cells)):
@@ -350,6 +446,82 @@ class _Runner:
         if nbtools.SKIP_TAG in cell.metadata.get("tags", []):
             self.runs[i] = CellRun("skipped")
             return "ok"
+        if self.places[i] == "grader":
+            return await self._grader_cell(i)
+        status = await self._kernel_cell(client, replies, i, record)
+        if self.places[i] == "both" and status == "ok":
+            here = await self._grader_cell(i, record=False)
+            if here != "ok":
+                self.notes.append(f"the given cell {self._label(i)} failed in the grader: {self.grader_error}")
+        return status
+
+    async def _grader_cell(self, i: int, record: bool = True) -> str:
+        """Run a test (or a given cell that uses the learner's names) in this process, on proxies of the
+        learner's objects; only plain data comes back from the kernel."""
+        cell = self.nb.cells[i]
+        gid = cell.metadata.get("zeroedu_grade", {}).get("grade_id") or f"cell {i}"
+        code = compile(cell.source, f"<zeroedu grader: {gid}>", "exec")
+        out = io.StringIO()
+        deadline = time.monotonic() + max(1.0, min(self.limits.cell_timeout, self.left()))
+        link = _KernelLink(self, deadline)
+        t0 = time.monotonic()
+
+        def work() -> CellRun:
+            remote.set_session(link)
+            try:
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                    exec(code, self.ns)
+                return CellRun("ok", seconds=time.monotonic() - t0)
+            except Exception as e:
+                return CellRun("error", type(e).__name__, _cut(str(e), self.limits.max_output),
+                               time.monotonic() - t0)
+            finally:
+                remote.set_session(None)
+
+        run = await asyncio.to_thread(work)
+        if link.status in ("timeout", "killed", "died"):
+            run = CellRun(link.status, evalue=link.detail, seconds=run.seconds)
+        text = out.getvalue()
+        if record:
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=_cut(text, self.limits.max_output))] \
+                if text else []
+            if run.status == "error":
+                cell.outputs.append(nbformat.v4.new_output("error", ename=run.ename, evalue=run.evalue, traceback=[]))
+            self.runs[i] = run
+        self.grader_error = f"{run.ename}: {run.evalue}" if run.status == "error" else run.status
+        return "killed" if link.status in ("killed", "died") else ("ok" if run.status == "ok" else run.status)
+
+    async def rpc(self, token: str, deadline: float) -> tuple[str, str]:
+        """Have the kernel answer request `token` (kernel.serve); (status, detail) as _kernel_cell sees it."""
+        code = f"__import__('zeroedu.grading.kernel', fromlist=['serve']).serve({token!r})"
+        cell = nbformat.v4.new_code_cell(code)
+        replies: dict[int, dict] = {}
+        client = self.client
+        assert client is not None
+        first = self.nb.cells[0]  # async_execute_cell stores the cell it ran at the index it is given
+        timeout = max(1.0, deadline - time.monotonic())
+        client.timeout = int(timeout + 0.999)
+        client.error_on_timeout = {"ename": TIMEOUT_ENAME, "evalue": f"{timeout:g}", "traceback": []}
+        saved = client.on_cell_executed
+        client.on_cell_executed = lambda cell, cell_index, execute_reply: replies.update(
+            {0: (execute_reply or {}).get("content", {})})
+        try:
+            await client.async_execute_cell(cell, 0)
+        except DeadKernelError:
+            return "died", self._kernel_tail()
+        finally:
+            client.on_cell_executed = saved
+            self.nb.cells[0] = first
+        reply = replies.get(0, {})
+        if reply.get("ename") == TIMEOUT_ENAME:
+            if not await self._responsive(client):
+                self._kill()
+                return "killed", f"{timeout:.0f}"
+            return "timeout", f"{timeout:.0f}"
+        return "ok", ""
+
+    async def _kernel_cell(self, client: _Client, replies: dict, i: int, record: bool = True) -> str:
+        cell = self.nb.cells[i]
         timeout = max(1.0, min(self.limits.cell_timeout, self.left()))
         client.timeout = int(timeout + 0.999)
         client.error_on_timeout = {"ename": TIMEOUT_ENAME, "evalue": f"{timeout:g}", "traceback": []}
@@ -435,6 +607,48 @@ class _Runner:
             "or the out-of-memory killer"
 
 
+def _cut(text: str, limit: int) -> str:
+    """text, at most `limit` characters: the start, and how much was cut."""
+    if len(text) <= limit:
+        return text
+    keep = max(0, limit - 60)
+    return text[:keep] + f" [... {len(text) - keep} more characters cut by --max-output]"
+
+
+class _KernelLink:
+    """What in_kernel and the learner proxies talk to while the grader runs one test cell (from a worker
+    thread): each request is one small cell in the kernel, under what is left of the test's time."""
+
+    def __init__(self, runner: _Runner, deadline: float) -> None:
+        self.runner = runner
+        self.deadline = deadline
+        self.status = "ok"
+        self.detail = ""
+        self.folder = runner.workdir / kernel_exchange()
+
+    def call(self, fn: Any, args: tuple, kwargs: dict) -> Any:
+        if self.status != "ok" or self.runner.kernel_lost:
+            raise remote.KernelUnavailable("the kernel is gone (an earlier request of this test timed out or "
+                                           "ended it)")
+        token = remote.write_request(self.folder, fn, tuple(args), dict(kwargs))
+        assert self.runner.loop is not None
+        status, detail = asyncio.run_coroutine_threadsafe(self.runner.rpc(token, self.deadline),
+                                                          self.runner.loop).result()
+        (self.folder / f"{token}.request").unlink(missing_ok=True)
+        if status != "ok":
+            self.status, self.detail = status, detail
+            if status in ("killed", "died"):
+                self.runner.kernel_lost = True
+            raise remote.KernelUnavailable(f"your code did not finish: {status}")
+        return remote.read_answer(self.folder, token, self.runner.limits.max_output, self.runner.ns)
+
+
+def kernel_exchange() -> str:
+    from zeroedu.grading.kernel import EXCHANGE
+
+    return EXCHANGE
+
+
 def _test_name(cell: Any, grade_id: str) -> str:
     names = re.findall(r"\bcheck\(\s*f?[\"']([^\"']+)[\"']", cell.source)
     return "; ".join(names) if names else grade_id
@@ -492,16 +706,20 @@ def score(nb: Any, runs: list[CellRun]) -> tuple[list[TestResult], list[str]]:
 
 
 def _refusals(private: Path) -> list[str]:
+    """The guard's refusals, from the kernel's stderr as the grader received it (outside the sandbox)."""
     try:
-        lines = (private / "refused.jsonl").read_text().splitlines()
+        lines = (private / "kernel.log").read_text(errors="replace").splitlines()
     except OSError:
         return []
     out = []
     for line in lines:
-        with contextlib.suppress(ValueError):
-            r = json.loads(line)
-            out.append(f"refused to {r['op']} {r['path']}: outside the notebook's working directory")
-    return list(dict.fromkeys(out))
+        if not line.startswith(REFUSED_MARK):
+            continue
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            r = json.loads(line[len(REFUSED_MARK):])
+            out.append(f"refused to {str(r['op'])[:20]} {str(r['path'])[:300]}: outside the notebook's working "
+                       "directory")
+    return list(dict.fromkeys(out))[:20]
 
 
 def grade_notebook(path: Path, learner: str, solutions: dict[str, Any], limits: Limits,
@@ -525,6 +743,8 @@ def grade_notebook(path: Path, learner: str, solutions: dict[str, Any], limits: 
     workdir = Path(tempfile.mkdtemp(prefix="nb-", dir=scratch))
     private = Path(tempfile.mkdtemp(prefix="grader-", dir=scratch))
     shutil.copy2(path, workdir / path.name)
+    blocks = solutions[name].metadata.get("zeroedu", {}).get("write_your_own", [])
+    (private / "config.json").write_text(json.dumps({"blocks": blocks}), encoding="utf-8")
     runner = _Runner(nb, workdir, private, limits)
     runner.run()
     result.tests, notes = score(nb, runner.runs)
