@@ -101,12 +101,13 @@ class ExerciseResult:
     learner: str
     exercise: str
     path: str
-    status: str = "graded"     # graded | not submitted | unknown exercise | unreadable
+    status: str = "graded"     # graded | not submitted | unknown exercise | unreadable | refused
     points: float = 0.0
     max_points: float = 0.0
     tests: list[TestResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    sha256: str = ""           # of the submission as handed in (the grader graded a copy)
 
     @property
     def passed(self) -> int:
@@ -193,7 +194,8 @@ def assemble(submission: Any, solution: Any) -> Any:
     nb = copy.deepcopy(solution)
     nb.cells = cells
     answers = [c.source for c in solution.cells if nbtools.cell_info(c).role == "answer" and c.cell_type == "code"]
-    nb.metadata["zeroedu_grade"] = {"answer_names": sorted(set().union(*map(_defined, answers)))}
+    nb.metadata["zeroedu_grade"] = {"answer_names": sorted(set().union(*map(_defined, answers))),
+                                    "answer_methods": sorted(set().union(*map(_methods, answers)))}
     for index, cell in enumerate(nb.cells):
         cell.id = f"graded-{index}"
         if cell.cell_type == "code":
@@ -216,6 +218,16 @@ def _defined(source: str) -> set[str]:
         else:
             names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     return names
+
+
+def _methods(source: str) -> set[str]:
+    """Names defined inside the classes of a cell."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    return {item.name for node in tree.body if isinstance(node, ast.ClassDef) for item in node.body
+            if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)}
 
 
 def _loaded(source: str) -> set[str]:
@@ -389,10 +401,13 @@ class _Runner:
         self.client, self.loop, self.kernel_lost = client, asyncio.get_running_loop(), False
         log = _LogPipe(self.private / "kernel.log")  # the kernel's stdout and stderr: a pipe it cannot rewind
         self.pgid = None
+        env = self.env()
         if self.sandbox is not None:
-            client.km = self.sandbox.kernel_manager(client, self)
+            env = self.sandbox.env(env)
+            self.sandbox.prepare()
+            client.km = self.sandbox.kernel_manager(client)
         try:
-            async with client.async_setup_kernel(env=self.env(), stdout=log.fd, stderr=log.fd):
+            async with client.async_setup_kernel(env=env, stdout=log.fd, stderr=log.fd):
                 log.started()
                 self.pgid = getattr(client.km.provisioner, "pgid", None)
                 problem = await self._setup(client)
@@ -468,15 +483,17 @@ class _Runner:
 
         def work() -> CellRun:
             remote.set_session(link)
+            _Captured.install()
+            _Captured.local.buffer = out
             try:
-                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                    exec(code, self.ns)
+                exec(code, self.ns)
                 return CellRun("ok", seconds=time.monotonic() - t0)
             except Exception as e:
                 return CellRun("error", type(e).__name__, _cut(str(e), self.limits.max_output),
                                time.monotonic() - t0)
             finally:
                 remote.set_session(None)
+                _Captured.local.buffer = None
 
         run = await asyncio.to_thread(work)
         if link.status in ("timeout", "killed", "died"):
@@ -615,6 +632,36 @@ def _cut(text: str, limit: int) -> str:
     return text[:keep] + f" [... {len(text) - keep} more characters cut by --max-output]"
 
 
+class _Captured:
+    """sys.stdout and sys.stderr that send a thread's writes to its buffer while it runs a test (notebooks may
+    be graded in parallel threads), and everything else where it went before."""
+
+    local = threading.local()
+    _lock = threading.Lock()
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        buffer = getattr(self.local, "buffer", None)
+        return (buffer or self.stream).write(text)
+
+    def flush(self) -> None:
+        buffer = getattr(self.local, "buffer", None)
+        (buffer or self.stream).flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if not isinstance(sys.stdout, cls):
+                sys.stdout = cls(sys.stdout)
+            if not isinstance(sys.stderr, cls):
+                sys.stderr = cls(sys.stderr)
+
+
 class _KernelLink:
     """What in_kernel and the learner proxies talk to while the grader runs one test cell (from a worker
     thread): each request is one small cell in the kernel, under what is left of the test's time."""
@@ -722,43 +769,117 @@ def _refusals(private: Path) -> list[str]:
     return list(dict.fromkeys(out))[:20]
 
 
+def full_points(solution: Any) -> float:
+    """What an exercise is worth: the points of every test cell of its solution."""
+    return sum(nbtools.cell_info(c).points for c in solution.cells if nbtools.cell_info(c).role == "test")
+
+
+@dataclass
+class Options:
+    """How notebooks are run: in a sandbox (bubblewrap; hidden: paths no sandbox may see) or --trusted."""
+
+    trusted: bool = False
+    hidden: list[Path] = field(default_factory=list)
+    sandbox_limits: Any = None
+
+
 def grade_notebook(path: Path, learner: str, solutions: dict[str, Any], limits: Limits,
-                   scratch: Path, executed: Path | None = None) -> ExerciseResult:
+                   scratch: Path, executed: Path | None = None, options: Options | None = None,
+                   shown_as: str | None = None) -> ExerciseResult:
+    """Grade one notebook (a copy the grader made: `shown_as` is the submission's own path, for the report)."""
+    from zeroedu.grading import sandbox as sb
+
+    options = options or Options(trusted=True)
     t0 = time.monotonic()
-    result = ExerciseResult(learner, path.stem, str(path))
+    shown = shown_as or str(path)
+    result = ExerciseResult(learner, path.stem, shown)
     try:
         submission = nbtools.read(path)
     except Exception as e:
         result.status = "unreadable"
-        result.notes.append(f"cannot read {path} as a notebook: {type(e).__name__}: {e}")
+        result.notes.append(f"cannot read {shown} as a notebook: {type(e).__name__}: {_cut(str(e), 300)}")
         return result
     name = match_solution(path, submission, solutions)
     if name is None:
         result.status = "unknown exercise"
-        result.notes.append(f"{path.name} matches no notebook in the solutions folder (by name or by nbgrader "
-                            f"grade_ids); known: {', '.join(sorted(solutions))}")
+        result.notes.append(f"{Path(shown).name} matches no notebook in the solutions folder (by name or by "
+                            f"nbgrader grade_ids); known: {', '.join(sorted(solutions))}")
         return result
     result.exercise = name
     nb = assemble(submission, solutions[name])
     workdir = Path(tempfile.mkdtemp(prefix="nb-", dir=scratch))
     private = Path(tempfile.mkdtemp(prefix="grader-", dir=scratch))
-    shutil.copy2(path, workdir / path.name)
+    shutil.copyfile(path, workdir / Path(shown).name)
     blocks = solutions[name].metadata.get("zeroedu", {}).get("write_your_own", [])
     (private / "config.json").write_text(json.dumps({"blocks": blocks}), encoding="utf-8")
-    runner = _Runner(nb, workdir, private, limits)
+    box = None
+    if not options.trusted:
+        box = sb.Sandbox(workdir, Path(tempfile.mkdtemp(prefix="ipc-", dir=scratch)), private / "config.json",
+                         options.hidden, options.sandbox_limits or sb.Limits())
+    runner = _Runner(nb, workdir, private, limits, box)
     runner.run()
     result.tests, notes = score(nb, runner.runs)
     result.notes = notes + runner.notes + _refusals(private)
     if runner.truncated:
         result.notes.append(f"printed more than {limits.max_output} bytes; the rest of the output was dropped")
+    result.notes += shadowed_engine_names(nb, submission)
     result.points = sum(t.points for t in result.tests)
-    result.max_points = sum(t.max_points for t in result.tests)
+    result.max_points = full_points(solutions[name])
     result.seconds = round(time.monotonic() - t0, 1)
+    _cap_messages(result, limits.max_output)
     if executed is not None:
         out = executed / learner / f"{name}.ipynb"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(nbtools.write_text(nb), encoding="utf-8")
     return result
+
+
+def _cap_messages(result: ExerciseResult, limit: int) -> None:
+    result.notes = [_cut(n, limit) for n in result.notes]
+    for t in result.tests:
+        t.message = _cut(t.message, limit)
+
+
+def shadowed_engine_names(nb: Any, submission: Any) -> list[str]:
+    """Notes for learner classes that define a name their zeroedu base class already has and the template
+    did not ask for: such a helper silently replaces the engine's own."""
+    asked = set(nb.metadata.get("zeroedu_grade", {}).get("answer_methods", []))
+    notes = []
+    for cell in submission.cells:
+        if cell.get("cell_type") != "code":
+            continue
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = [b.id for b in node.bases if isinstance(b, ast.Name)]
+            engine = _engine_class(bases)
+            if engine is None:
+                continue
+            for item in node.body:
+                names = ([item.name] if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) else
+                         [t.id for t in getattr(item, "targets", []) if isinstance(t, ast.Name)])
+                for method in names:
+                    if method in asked or method.startswith("__"):
+                        continue
+                    if hasattr(engine, method):
+                        notes.append(f"your class {node.name} defines {method!r}, which {engine.__name__} already "
+                                     f"has: it replaces the engine's own {method!r} (not one of the methods this "
+                                     "exercise asks for). Give your helper a name of its own.")
+    return notes
+
+
+def _engine_class(bases: list[str]) -> type | None:
+    import zeroedu.stages as stages
+
+    for base in bases:
+        cls = getattr(stages, base, None)
+        if isinstance(cls, type):
+            return cls
+    return None
 
 
 # -- which notebooks, whose ------------------------------------------------------------------------------
@@ -770,14 +891,18 @@ def _notebooks(folder: Path) -> list[Path]:
 
 def collect(paths: list[Path]) -> list[tuple[str, Path]]:
     """(learner, notebook) pairs. A notebook: the learner is its folder's name. A folder: each subfolder is a
-    learner; notebooks directly inside belong to the folder's own name."""
+    learner; notebooks directly inside belong to the folder's own name. Symbolic links are returned too (the
+    grader refuses them: a link can point at another learner's work or at the solution)."""
     found: list[tuple[str, Path]] = []
     for path in paths:
-        if path.is_file():
-            found.append((path.resolve().parent.name, path))
+        if path.is_symlink() or path.is_file():
+            found.append((path.absolute().parent.name, path))
         elif path.is_dir():
             found += [(path.resolve().name, p) for p in sorted(path.glob("*.ipynb"))]
             for sub in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
+                if sub.is_symlink():
+                    found += [(sub.name, sub)]
+                    continue
                 found += [(sub.name, p) for p in _notebooks(sub)]
         else:
             raise FileNotFoundError(f"{path}: no such notebook or folder")
@@ -791,25 +916,130 @@ def load_solutions(folder: Path) -> dict[str, Any]:
     return solutions
 
 
+_EX_PREFIX = re.compile(r"^(ex\d+)", re.IGNORECASE)
+
+
+def guess_exercise(path: Path, solutions: dict[str, Any]) -> str | None:
+    """The exercise a notebook is for, from the notebook (name, grade_ids) or, if unreadable, its file name."""
+    try:
+        nb = nbtools.read(path)
+    except Exception:
+        nb = None
+    if nb is not None:
+        found = match_solution(path, nb, solutions)
+        if found:
+            return found
+    if path.stem in solutions:
+        return path.stem
+    m = _EX_PREFIX.match(path.name)
+    if m:
+        hits = [s for s in solutions if s.lower().startswith(m.group(1).lower() + "_") or s.lower() == m.group(1)]
+        if len(hits) == 1:
+            return hits[0]
+    return None
+
+
+@dataclass
+class Submission:
+    learner: str
+    path: Path                 # as handed in
+    copy: Path | None = None   # the grader's copy, graded instead
+    sha256: str = ""
+    exercise: str | None = None
+    mtime: float = 0.0
+    problem: str = ""          # refused before grading
+
+
+def stage(pairs: list[tuple[str, Path]], solutions: dict[str, Any], into: Path) -> list[Submission]:
+    """Copy every submission (once, before any is run) and hash it; refuse links and anything not a file."""
+    out = []
+    for k, (learner, path) in enumerate(pairs):
+        sub = Submission(learner, path)
+        if path.is_symlink():
+            sub.problem = (f"{path} is a symbolic link (to {os.readlink(path)}): refused. Hand in the notebook "
+                           "itself, not a link to it.")
+        elif not path.is_file():
+            sub.problem = f"{path} is not a regular file: refused"
+        else:
+            try:
+                data = path.read_bytes()
+                sub.mtime = path.stat().st_mtime
+            except OSError as e:
+                sub.problem = f"cannot read {path}: {e.strerror or e}"
+            else:
+                folder = into / f"{k:05d}"
+                folder.mkdir(parents=True)
+                sub.copy = folder / path.name
+                sub.copy.write_bytes(data)
+                sub.sha256 = hashlib.sha256(data).hexdigest()
+        sub.exercise = guess_exercise(sub.copy, solutions) if sub.copy else guess_exercise(path, solutions) \
+            if not path.is_symlink() else None
+        out.append(sub)
+    return out
+
+
+def newest_only(subs: list[Submission]) -> tuple[list[Submission], dict[int, list[Submission]]]:
+    """One submission per learner and exercise: the newest (by modification time, then path); the others are
+    returned by the id of the one graded instead."""
+    groups: dict[tuple[str, str], list[Submission]] = {}
+    keep: list[Submission] = []
+    for sub in subs:
+        if sub.exercise is None or sub.problem:
+            keep.append(sub)
+            continue
+        groups.setdefault((sub.learner, sub.exercise), []).append(sub)
+    dropped: dict[int, list[Submission]] = {}
+    for group in groups.values():
+        group.sort(key=lambda s: (s.mtime, str(s.path)))
+        keep.append(group[-1])
+        if len(group) > 1:
+            dropped[id(group[-1])] = group[:-1]
+    order = {id(s): i for i, s in enumerate(subs)}
+    keep.sort(key=lambda s: order[id(s)])
+    return keep, dropped
+
+
 def grade(paths: list[Path], solutions_dir: Path, limits: Limits, executed: Path | None = None,
-          progress: bool = True) -> list[ExerciseResult]:
+          progress: bool = True, options: Options | None = None, jobs: int = 1) -> list[ExerciseResult]:
+    options = options or Options(trusted=True)
     solutions = load_solutions(solutions_dir)
     pairs = collect(paths)
     results: list[ExerciseResult] = []
     with tempfile.TemporaryDirectory(prefix="zeroedu-grade-") as scratch:
-        for learner, path in pairs:
-            if progress:
-                print(f"grading {learner}: {path}", file=sys.stderr, flush=True)
-            results.append(grade_notebook(path, learner, solutions, limits, Path(scratch), executed))
+        subs, dropped = newest_only(stage(pairs, solutions, Path(scratch) / "submissions"))
+
+        def one(sub: Submission) -> ExerciseResult:
+            if sub.problem or sub.copy is None:
+                r = ExerciseResult(sub.learner, sub.exercise or sub.path.stem, str(sub.path), "refused")
+                r.notes.append(_cut(sub.problem, limits.max_output))
+            else:
+                if progress:
+                    print(f"grading {sub.learner}: {sub.path}", file=sys.stderr, flush=True)
+                r = grade_notebook(sub.copy, sub.learner, solutions, limits, Path(scratch), executed, options,
+                                   shown_as=str(sub.path))
+                r.sha256 = sub.sha256
+            if r.status != "graded" and sub.exercise in solutions:
+                r.exercise = sub.exercise
+                r.max_points = full_points(solutions[sub.exercise])   # 0 of the full points, not 0 of 0
+            for old in dropped.get(id(sub), []):
+                r.notes.append(f"also handed in: {old.path} (older than {sub.path}; only the newest is graded)")
+            return r
+
+        if jobs > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=jobs) as pool:
+                results = list(pool.map(one, subs))
+        else:
+            results = [one(sub) for sub in subs]
     learners = list(dict.fromkeys(learner for learner, _ in pairs))
     if len(learners) > 1:  # a gradebook: every learner gets a row for every exercise someone handed in
-        seen = list(dict.fromkeys(r.exercise for r in results if r.status == "graded"))
-        maxima = {r.exercise: r.max_points for r in results if r.status == "graded"}
+        seen = list(dict.fromkeys(r.exercise for r in results if r.exercise in solutions))
         for learner in learners:
             have = {r.exercise for r in results if r.learner == learner}
             for ex in seen:
                 if ex not in have:
-                    results.append(ExerciseResult(learner, ex, "", "not submitted", 0.0, maxima[ex],
+                    results.append(ExerciseResult(learner, ex, "", "not submitted", 0.0, full_points(solutions[ex]),
                                                   notes=["no notebook for this exercise"]))
         order = {name: i for i, name in enumerate(learners)}
         results.sort(key=lambda r: (order[r.learner], r.exercise))
@@ -872,7 +1102,7 @@ def write_csv(results: list[ExerciseResult], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zeroedu grade", description="Grade exercise notebooks against "
-                                     "solutions/: hidden tests included, each notebook in a fresh kernel.")
+                                     "solutions/: hidden tests included, each notebook in its own sandbox.")
     parser.add_argument("paths", nargs="+", type=Path, metavar="PATH",
                         help="a notebook, or a folder (one subfolder per learner)")
     parser.add_argument("--solutions", type=Path, default=None, help="solution notebooks (default: solutions/)")
@@ -882,17 +1112,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--notebook-timeout", type=float, default=Limits.notebook_timeout,
                         help="seconds per notebook (default 900)")
     parser.add_argument("--max-output", type=int, default=Limits.max_output,
-                        help="bytes of output kept per notebook (default 1000000)")
+                        help="bytes of output kept per notebook, and characters per message (default 1000000)")
     parser.add_argument("--executed", type=Path, default=None,
                         help="also save each executed notebook here, hidden tests included (for instructors)")
+    parser.add_argument("--trusted", action="store_true",
+                        help="run without the sandbox: only for your own notebooks on your own machine")
+    parser.add_argument("--memory-gb", type=float, default=6.0,
+                        help="address space per sandboxed process, GiB (default 6)")
+    parser.add_argument("--max-processes", type=int, default=1024,
+                        help="processes and threads in the sandboxes (default 1024)")
+    parser.add_argument("--jobs", type=int, default=2, help="notebooks graded at once (default 2)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     if args.timeout <= 0 or args.notebook_timeout <= 0:
         parser.error("--timeout and --notebook-timeout must be > 0 seconds")
+    if args.max_output < 100 or args.jobs < 1 or args.memory_gb <= 0 or args.max_processes < 16:
+        parser.error("--max-output must be >= 100, --jobs >= 1, --memory-gb > 0, --max-processes >= 16")
+    from zeroedu.grading import sandbox as sb
+
+    options = Options(trusted=args.trusted)
+    if not args.trusted:
+        ok, why = sb.check()
+        if not ok:
+            print(f"zeroedu grade: no sandbox: {why}; refusing to run untrusted notebooks: {sb.INSTALL_HINT}.",
+                  file=sys.stderr)
+            return 3
+        solutions_dir = (args.solutions or default_dir("solutions")).resolve()
+        outputs = [p for p in (args.json, args.csv, args.executed) if p is not None]
+        options.hidden = sb.hidden_paths(solutions_dir, list(args.paths), outputs)
+        options.sandbox_limits = sb.Limits(memory=int(args.memory_gb * 2**30), processes=args.max_processes,
+                                           cpu_seconds=int(2 * args.notebook_timeout + 600))
     limits = Limits(args.timeout, args.notebook_timeout, args.max_output)
     try:
         results = grade(args.paths, args.solutions or default_dir("solutions"), limits, args.executed,
-                        progress=not args.quiet)
+                        progress=not args.quiet, options=options, jobs=args.jobs)
     except FileNotFoundError as e:
         print(f"zeroedu grade: {e}", file=sys.stderr)
         return 2
