@@ -47,6 +47,7 @@ if uid >= 0 and os.getuid() == 0:
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)
+os.environ.pop("JPY_PARENT_PID", None)  # the kernel's parent pid means nothing in this pid namespace
 os.execv(sys.argv[5], sys.argv[5:])
 """
 
@@ -91,8 +92,11 @@ class Sandbox:
 
     def prepare(self) -> None:
         """Folders the kernel writes must belong to its user."""
+        from zeroedu.grading.kernel import EXCHANGE
+
         self.sockets.mkdir(parents=True, exist_ok=True)
         (self.workdir / ".home").mkdir(exist_ok=True)
+        (self.workdir / EXCHANGE).mkdir(exist_ok=True)
         if os.geteuid() == 0:
             for folder in (self.workdir, self.sockets):
                 for path in [folder, *folder.rglob("*")]:
@@ -108,8 +112,8 @@ class Sandbox:
         exe = bwrap()
         if exe is None:
             raise RuntimeError(f"bubblewrap is not installed: {INSTALL_HINT}")
-        args = [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/dev/shm",
-                "--tmpfs", "/tmp", "--tmpfs", "/run"]
+        args = [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs",
+                "/dev/shm", "--perms", "1777", "--tmpfs", "/tmp", "--perms", "0755", "--tmpfs", "/run"]
         if os.geteuid() == 0:
             args += _reachable(_needed())
         for path in self.hidden:
@@ -119,6 +123,10 @@ class Sandbox:
                 args += ["--tmpfs", str(path)]
             elif path.exists():
                 args += ["--ro-bind", "/dev/null", str(path)]
+        for path in (self.workdir, self.sockets, Path(CONFIG_PATH)):  # bwrap would make missing parents 0700
+            args += [a for d in reversed(path.parents) if d.parent != d and d not in (Path("/tmp"), Path("/run"))
+                     and (Path("/tmp") in d.parents or Path("/run") in d.parents)
+                     for a in ("--perms", "0755", "--dir", str(d))]
         args += ["--bind", str(self.workdir), str(self.workdir), "--bind", str(self.sockets), str(self.sockets),
                  "--ro-bind", str(self.config), CONFIG_PATH,
                  "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
