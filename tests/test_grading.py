@@ -476,3 +476,133 @@ def test_printing_megabytes_and_deleting_outside_files(tmp_path):
     assert not any("scratch.txt" in n for n in erin.notes)  # inside its own folder it may do what it likes
     text = (executed / "erin" / "ex01_memory_formulas.ipynb").read_text()
     assert "zeroedu grader: refused to delete" in text and "outside this notebook's working directory" in text
+
+
+# -- hostile submissions, in the sandbox ---------------------------------------------------------------------
+
+from zeroedu.grading import sandbox  # noqa: E402
+
+SANDBOX_OK, SANDBOX_WHY = sandbox.check()
+needs_sandbox = pytest.mark.skipif(not SANDBOX_OK, reason=f"needs bubblewrap: {SANDBOX_WHY}")
+HOSTILE = FIXTURES / "hostile"
+DIFFERENT = FIXTURES / "different"
+
+
+def _sandboxed(inputs=(), outputs=()) -> grader.Options:
+    return grader.Options(trusted=False, hidden=sandbox.hidden_paths(SOLUTIONS, list(inputs), list(outputs)))
+
+
+def _full(exercise: str) -> float:
+    return sum(_points(exercise).values())
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _without(exercise: str, *gids: str) -> float:
+    points = _points(exercise)
+    return sum(v for g, v in points.items() if g not in gids)
+
+
+# fixture -> (exercise, expected points as a function of the solution's points). Cheats get nothing for the
+# parts they cheat; what they answered honestly keeps its points.
+CHEATS = {
+    "ex04_pass_subclass.cells": ("ex04_stage1_sharding", lambda: _points("ex04_stage1_sharding")["ex04-test-bounds"]
+                                 + _points("ex04_stage1_sharding")["ex04-hidden-bounds"]),
+    "ex04_bare_super.cells": ("ex04_stage1_sharding", lambda: _points("ex04_stage1_sharding")["ex04-test-bounds"]
+                              + _points("ex04_stage1_sharding")["ex04-hidden-bounds"]),
+    "ex05_pass_subclass.cells": ("ex05_stage2_accumulation", lambda: 0),
+    "ex06_pass_subclass.cells": ("ex06_stage3_gather", lambda: 0),
+    "ex08_wraps_engine.cells": ("ex08_qwz_quantize", lambda: 0),
+    "ex01_execs_solution.cells": ("ex01_memory_formulas", lambda: 0),
+    "ex01_forged_check.cells": ("ex01_memory_formulas", lambda: 0),
+    "ex01_ast_try.cells": ("ex01_memory_formulas", lambda: 0),
+    "ex01_ast_no_asserts.cells": ("ex01_memory_formulas", lambda: 0),
+    "ex02_reads_reference.cells": ("ex02_ring_collectives", lambda: sum(
+        _points("ex02_ring_collectives")[g] for g in ("ex02-test-ag-values", "ex02-test-ag-bytes", "ex02-hidden-ag"))),
+    "ex01_steals_hidden_tests.cells": ("ex01_memory_formulas", lambda: _full("ex01_memory_formulas")),
+    "ex01_vandal.cells": ("ex01_memory_formulas", lambda: _full("ex01_memory_formulas")),
+    "ex01_resources.cells": ("ex01_memory_formulas", lambda: _full("ex01_memory_formulas")),
+    "ex01_huge_error.cells": ("ex01_memory_formulas", lambda: _points("ex01_memory_formulas")["ex01-hidden-errors"]),
+    "ex04_helper_shadows.cells": ("ex04_stage1_sharding", lambda: _full("ex04_stage1_sharding")),
+    "ex02_extra_step.cells": ("ex02_ring_collectives", lambda: _without(
+        "ex02_ring_collectives", "ex02-test-ag-bytes", "ex02-hidden-ag", "ex02-test-ar-bytes", "ex02-hidden-ar")),
+}
+
+
+@needs_sandbox
+@pytest.mark.timeout(1500)
+def test_hostile_submissions_score_what_they_should_and_change_nothing_outside(tmp_path):
+    victim = tmp_path / "outside" / "precious.txt"
+    victim.parent.mkdir()
+    victim.write_text("keep me")
+    folder = tmp_path / "submissions"
+    other = make_submission("ex01_memory_formulas", None, folder / "zz_honest")   # the vandal's target
+    mark = f"zeroedu-survivor-{time.time_ns()}"
+    for fixture, (exercise, _) in CHEATS.items():
+        text = (HOSTILE / fixture).read_text()
+        for key, value in {"{OTHER}": str(other.resolve()), "{SOLUTIONS_README}": str(SOLUTIONS / "README.md"),
+                           "{MARK}": mark}.items():
+            text = text.replace(key, value)
+        (tmp_path / fixture).write_text(text)
+        make_submission(exercise, str(tmp_path / fixture), folder / fixture.removesuffix(".cells"), victim=victim)
+    # no metadata: a correct notebook saved by a tool that drops nbgrader's cell metadata
+    bare = make_submission("ex01_memory_formulas", None, folder / "no_metadata")
+    nb = nbformat.read(bare, as_version=4)
+    for cell in nb.cells:
+        cell.metadata.pop("nbgrader", None)
+    nbformat.write(nb, str(bare))
+    protected = {"solutions": _snapshot(SOLUTIONS), "submissions": _snapshot(folder), "victim": victim.read_bytes()}
+    executed, report = tmp_path / "executed", tmp_path / "grades.json"
+    limits = grader.Limits(cell_timeout=60, max_output=2000)
+    t0 = time.monotonic()
+    results = grader.grade([folder], SOLUTIONS, limits, executed, progress=False,
+                           options=_sandboxed([folder], [executed, report]), jobs=2)
+    elapsed = time.monotonic() - t0
+    report.write_text(json.dumps(grader.gradebook(results)))
+    by = {(r.learner, r.exercise): r for r in results if r.status == "graded"}
+    for fixture, (exercise, expected) in CHEATS.items():
+        r = by[(fixture.removesuffix(".cells"), exercise)]
+        assert r.points == expected(), (fixture, r.points, [(t.grade_id, t.message[:200]) for t in r.tests], r.notes)
+        assert r.max_points == _full(exercise)
+    assert by[("no_metadata", "ex01_memory_formulas")].points == _full("ex01_memory_formulas")
+    assert by[("zz_honest", "ex01_memory_formulas")].points == _full("ex01_memory_formulas")
+    # nothing outside the work folders changed: solutions, every submission, the victim
+    assert _snapshot(SOLUTIONS) == protected["solutions"]
+    assert _snapshot(folder) == protected["submissions"]
+    assert victim.read_bytes() == protected["victim"]
+    # the messages say what happened
+    stage1 = {t.grade_id: t for t in by[("ex04_pass_subclass", "ex04_stage1_sharding")].tests}
+    assert "Stage1.reduce_bucket is the part this exercise asks you to write" in stage1["ex04-test-trains"].message
+    sup = {t.grade_id: t for t in by[("ex04_bare_super", "ex04_stage1_sharding")].tests}
+    assert "asks you to write" in sup["ex04-test-trains"].message
+    q = {t.grade_id: t for t in by[("ex08_wraps_engine", "ex08_qwz_quantize")].tests}
+    assert "zeropp.quantize is the part this exercise asks you to write" in q["ex08-test-scales"].message
+    shadow = by[("ex04_helper_shadows", "ex04_stage1_sharding")]
+    assert any("defines 'launch'" in n for n in shadow.notes), shadow.notes
+    huge = by[("ex01_huge_error", "ex01_memory_formulas")]
+    assert all(len(t.message) <= 2000 for t in huge.tests) and all(len(n) <= 2000 for n in huge.notes)
+    assert "your code raised ValueError: xxxx" in huge.tests[0].message
+    assert report.stat().st_size < 200_000
+    extra = {t.grade_id: t for t in by[("ex02_extra_step", "ex02_ring_collectives")].tests}
+    assert "1 chunk(s) more than the ring's" in extra["ex02-test-ag-bytes"].message, extra["ex02-test-ag-bytes"]
+    assert "N times more" not in extra["ex02-test-ag-bytes"].message
+    # the hidden tests never reached the kernel: the hook that saw every cell printed none of them
+    seen = (executed / "ex01_steals_hidden_tests" / "ex01_memory_formulas.ipynb").read_text()
+    stolen = [c for c in nbformat.reads(seen, as_version=4).cells if c.cell_type == "code"
+              and "=====" in "".join(o.get("text", "") for o in c.get("outputs", []))]
+    assert stolen, "the learner's last cell printed what its hook saw"
+    printed = "".join(o.get("text", "") for o in stolen[0].outputs)
+    assert "def bytes_per_element" in printed            # it did see the learner's own cells
+    assert "check(" not in printed and "HIDDEN" not in printed and "other model sizes" not in printed
+    # memory and processes were limited
+    hog = by[("ex01_resources", "ex01_memory_formulas")]
+    assert any("failed" in n and ("MemoryError" in n or "memory" in n.lower() or "died" in n) for n in hog.notes), \
+        hog.notes
+    survivors = [p for p in Path("/proc").iterdir() if p.name.isdigit() and mark.encode() in
+                 (p / "cmdline").read_bytes()] if Path("/proc").is_dir() else []
+    assert not survivors
+    vandal = by[("ex01_vandal", "ex01_memory_formulas")]
+    assert vandal.points == _full("ex01_memory_formulas")
+    print(f"graded {len(results)} notebooks in {elapsed:.0f} s")

@@ -159,6 +159,8 @@ def assemble(submission: Any, solution: Any) -> Any:
     locked cell replaced by the solution's (hidden tests included), missing ones put back where they were."""
     by_id = _by_grade_id(solution)
     stubs = _by_grade_id(nbtools.to_exercise(solution, ""))
+    given = {_norm(s) for c in solution.cells if nbtools.cell_info(c).role in ("locked", "test")
+             for s in (c.source, nbtools.strip_hidden(c.source))}
     cells: list[Any] = []
     used: set[str] = set()
     for cell in submission.cells:
@@ -174,16 +176,30 @@ def assemble(submission: Any, solution: Any) -> Any:
             cells.append(_tagged(new, gid))
         elif gid in by_id and nbtools.cell_info(by_id[gid]).role != "answer":
             continue  # a copied test or locked cell: run it once, from the solution
+        elif cell.get("cell_type") == "code" and _norm(cell.get("source", "")) in given:
+            continue  # a given or test cell that lost its metadata: it runs once, from the solution
         elif cell.get("cell_type") in ("code", "markdown"):
             new = copy.deepcopy(cell)
             new.metadata.pop("nbgrader", None)
             cells.append(_tagged(new, None))
-    # Put back graded cells the learner deleted, after the solution cell that precedes them.
+    # Put back graded cells the learner deleted, after the solution cell that precedes them. An answer cell
+    # whose names a cell of the learner's defines (a notebook that lost its nbgrader metadata) is that cell.
     for index, ref in enumerate(solution.cells):
         gid = nbtools.nbgrader_meta(ref).get("grade_id")
         if not gid or gid in used:
             continue
         used.add(gid)
+        if nbtools.cell_info(ref).role == "answer" and ref.cell_type == "code":
+            names = _defined(ref.source)
+            mine = next((c for c in cells if c.metadata["zeroedu_grade"]["grade_id"] is None
+                         and c.cell_type == "code" and names and names <= _defined(c.source)), None)
+            if mine is not None:
+                source = mine.source
+                mine.clear()
+                mine.update(copy.deepcopy(ref))
+                mine.source = source
+                _tagged(mine, gid)
+                continue
         new = copy.deepcopy(stubs[gid] if nbtools.cell_info(ref).role == "answer" else ref)
         before = {g for c in solution.cells[:index] if (g := nbtools.nbgrader_meta(c).get("grade_id"))}
         position = 0
@@ -201,6 +217,10 @@ def assemble(submission: Any, solution: Any) -> Any:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
     return nb
+
+
+def _norm(source: str) -> str:
+    return "\n".join(line.rstrip() for line in source.strip().splitlines())
 
 
 def _defined(source: str) -> set[str]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from zeroedu.grading.ranks import SendCounter, not_implemented, run_on_ranks
+from zeroedu.grading.ranks import RING_HANG_HINT, SendCounter, not_implemented, run_on_ranks
 from zeroedu.grading.remote import in_kernel
 
 __all__ = ["RingRun", "chunk_sizes", "run_all_gather", "run_all_reduce", "run_reduce_scatter"]
@@ -89,7 +89,8 @@ def _expected(op: str, n: int, rank: int, row: dict) -> dict:
 def _collect(op: str, fn: Callable, cases: list[tuple[int, str]], world_size: int) -> dict:
     """In the kernel: the per-rank rows, or the launch's failure in plain words."""
     try:
-        return {"rows": run_on_ranks(_job, world_size, args=(op, fn, cases), what=getattr(fn, "__name__", op))}
+        return {"rows": run_on_ranks(_job, world_size, args=(op, fn, cases), what=getattr(fn, "__name__", op),
+                                     hang_hint=RING_HANG_HINT)}
     except AssertionError as e:
         return {"error": str(e)}
 
