@@ -7,8 +7,10 @@ notebooks, not with numbers the grader computes.
 """
 
 import csv
+import hashlib
 import io
 import json
+import os
 import re
 import time
 from contextlib import redirect_stdout
@@ -606,3 +608,103 @@ def test_hostile_submissions_score_what_they_should_and_change_nothing_outside(t
     vandal = by[("ex01_vandal", "ex01_memory_formulas")]
     assert vandal.points == _full("ex01_memory_formulas")
     print(f"graded {len(results)} notebooks in {elapsed:.0f} s")
+
+
+@needs_sandbox
+@pytest.mark.timeout(600)
+def test_rank_failures_keep_the_learners_line_and_name_the_rank_that_left_the_collective(tmp_path):
+    folder = tmp_path / "submissions"
+    for fixture in ("ex04_rank_raises.cells", "ex04_rank_skips.cells"):
+        make_submission("ex04_stage1_sharding", f"hostile/{fixture}", folder / fixture.removesuffix(".cells"))
+    results = grader.grade([folder], SOLUTIONS, grader.Limits(cell_timeout=24), progress=False,
+                           options=_sandboxed([folder]), jobs=2)
+    raises, skips = ({t.grade_id: t for t in r.tests} for r in results)
+    message = raises["ex04-test-trains"].message
+    assert "on rank 1 of 2, MyStage1 raised ValueError: publish on rank 1 gave up on bucket 0" in message, message
+    assert "in publish, line" in message and 'raise ValueError(f"publish on rank' in message, message
+    hang = skips["ex04-test-trains"].message
+    assert "MyStage1 hung" in hang and "Rank 1 is not in the collective the other ranks wait in" in hang, hang
+    assert "in publish, line" in hang and "time.sleep(0.1)" in hang, hang
+    assert "In a ring" not in hang   # the ring exercise's hint belongs to the ring exercise
+
+
+@needs_sandbox
+@pytest.mark.timeout(900)
+def test_ten_correct_but_different_solutions_score_full_marks(tmp_path):
+    folder = tmp_path / "submissions"
+    fixtures = sorted(p.name for p in DIFFERENT.glob("*.cells"))
+    assert len(fixtures) >= 10
+    exercises = {p.stem: p.stem for p in SOLUTIONS.glob("*.ipynb")}
+    for fixture in fixtures:
+        exercise = next(e for e in exercises if e.startswith(fixture.split("_")[0] + "_"))
+        make_submission(exercise, f"different/{fixture}", folder / fixture.removesuffix(".cells"))
+    results = grader.grade([folder], SOLUTIONS, grader.Limits(cell_timeout=90), progress=False,
+                           options=_sandboxed([folder]), jobs=2)
+    graded = [r for r in results if r.status == "graded"]
+    assert len(graded) == len(fixtures)
+    for r in graded:
+        assert r.points == r.max_points == _full(r.exercise), (r.learner, [(t.grade_id, t.message) for t in r.tests
+                                                                           if not t.passed], r.notes)
+
+
+@pytest.mark.timeout(300)
+def test_gradebook_counts_unreadable_as_zero_of_full_grades_the_newest_copy_and_refuses_links(tmp_path):
+    folder = tmp_path / "submissions"
+    old = make_submission("ex01_memory_formulas", "ex01_missing_1_over_n.cells", folder / "frank" / "old")
+    newest = make_submission("ex01_memory_formulas", None, tmp_path / "x")
+    first = folder / "frank" / "ex01_memory_formulas.ipynb"
+    first.write_bytes(old.read_bytes())
+    copy_1 = folder / "frank" / "ex01_memory_formulas (1).ipynb"
+    copy_1.write_bytes(newest.read_bytes())
+    now = time.time()
+    for i, p in enumerate((old, first, copy_1)):   # the copy named "(1)" is the newest
+        os.utime(p, (now - 100 + i * 10, now - 100 + i * 10))
+    (folder / "frank" / "ex09_choose_strategy.ipynb").write_text("{ not a notebook")
+    (folder / "gina").mkdir()
+    (folder / "gina" / "ex01_memory_formulas.ipynb").symlink_to(SOLUTIONS / "ex01_memory_formulas.ipynb")
+    results = grader.grade([folder], SOLUTIONS, grader.Limits(cell_timeout=60), progress=False)
+    rows = {(r.learner, r.exercise): r for r in results}
+    full01, full09 = _full("ex01_memory_formulas"), _full("ex09_choose_strategy")
+    f01 = rows[("frank", "ex01_memory_formulas")]
+    assert (f01.status, f01.points, f01.max_points) == ("graded", full01, full01)
+    assert f01.path == str(copy_1) and f01.sha256 == hashlib.sha256(copy_1.read_bytes()).hexdigest()
+    assert sorted(n for n in f01.notes if n.startswith("also handed in")) == sorted(
+        f"also handed in: {p} (older than {copy_1}; only the newest is graded)" for p in (first, old))
+    f09 = rows[("frank", "ex09_choose_strategy")]
+    assert (f09.status, f09.points, f09.max_points) == ("unreadable", 0, full09)
+    g01 = rows[("gina", "ex01_memory_formulas")]
+    assert (g01.status, g01.points, g01.max_points) == ("refused", 0, full01)
+    assert "symbolic link" in g01.notes[0]
+    g09 = rows[("gina", "ex09_choose_strategy")]
+    assert (g09.status, g09.points, g09.max_points) == ("not submitted", 0, full09)
+    assert len([r for r in results if r.learner == "frank"]) == 2
+
+
+def test_without_bubblewrap_grade_refuses_in_one_line_unless_trusted(tmp_path, monkeypatch, capsys):
+    path = make_submission("ex09_choose_strategy", None, tmp_path / "me")
+    monkeypatch.setenv("PATH", str(tmp_path / "no-such-bin"))   # no bwrap to be found
+    assert grader.main([str(path), "--solutions", str(SOLUTIONS), "--quiet"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bubblewrap" in err[0] and "--trusted" in err[0], err
+
+
+def test_every_blocked_engine_piece_exists():
+    from zeroedu.grading import kernel
+
+    for path in sorted(SOLUTIONS.glob("*.ipynb")):
+        blocks = nbformat.read(path, as_version=4).metadata.get("zeroedu", {}).get("write_your_own", [])
+        assert kernel.apply_blocks([]) == []
+        missing = [b for b in blocks if not _exists(b)]
+        assert not missing, (path.name, missing)
+
+
+def _exists(target: str) -> bool:
+    import importlib
+
+    module, _, qualname = target.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True

@@ -941,10 +941,10 @@ _EX_PREFIX = re.compile(r"^(ex\d+)", re.IGNORECASE)
 
 def guess_exercise(path: Path, solutions: dict[str, Any]) -> str | None:
     """The exercise a notebook is for, from the notebook (name, grade_ids) or, if unreadable, its file name."""
-    try:
-        nb = nbtools.read(path)
-    except Exception:
-        nb = None
+    nb = None
+    if not path.is_symlink():   # a link's name says what it claims to be; it is never opened
+        with contextlib.suppress(Exception):
+            nb = nbtools.read(path)
     if nb is not None:
         found = match_solution(path, nb, solutions)
         if found:
@@ -992,8 +992,7 @@ def stage(pairs: list[tuple[str, Path]], solutions: dict[str, Any], into: Path) 
                 sub.copy = folder / path.name
                 sub.copy.write_bytes(data)
                 sub.sha256 = hashlib.sha256(data).hexdigest()
-        sub.exercise = guess_exercise(sub.copy, solutions) if sub.copy else guess_exercise(path, solutions) \
-            if not path.is_symlink() else None
+        sub.exercise = guess_exercise(sub.copy or path, solutions)
         out.append(sub)
     return out
 
