@@ -708,3 +708,15 @@ def _exists(target: str) -> bool:
             return False
         obj = getattr(obj, part)
     return True
+
+
+def test_doctor_reports_the_sandbox(tmp_path, monkeypatch):
+    from zeroedu import doctor
+
+    assert doctor.check_sandbox((False, "bubblewrap (bwrap) is not installed")).status == doctor.WARN
+    assert "apt-get install bubblewrap" in doctor.check_sandbox((False, "x")).fix
+    assert doctor.check_sandbox((True, "bubblewrap works")).status == doctor.OK
+    real = doctor.check_sandbox()                      # this machine, for real
+    assert real.status == (doctor.OK if SANDBOX_OK else doctor.WARN)
+    monkeypatch.setenv("PATH", str(tmp_path))          # and where bwrap cannot be found
+    assert "not installed" in doctor.check_sandbox().detail

@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jupyter_client.manager import AsyncKernelManager
-
 from zeroedu.grading.kernel import CONFIG_PATH
 
 SANDBOX_UID = 65534          # "nobody": the kernel's user when the grader runs as root
@@ -137,8 +135,10 @@ class Sandbox:
                 str(self.limits.cpu_seconds), str(uid)]
         return [*args, "--", *init, *cmd]
 
-    def kernel_manager(self, client: Any) -> AsyncKernelManager:
+    def kernel_manager(self, client: Any) -> Any:
         """A kernel manager whose kernel starts in this sandbox and talks over unix sockets."""
+        from jupyter_client.manager import AsyncKernelManager
+
         sandbox = self
 
         class Sandboxed(AsyncKernelManager):
