@@ -448,8 +448,10 @@ def test_gradebook_of_three_learners_one_hanging_one_crashing(tmp_path):
     ]
     assert rows[2]["first_failure"] == bob["ex01_memory_formulas"]["first_failure"]
     table = out.getvalue()
-    assert re.search(r"^alice\s+ex01_memory_formulas\s+10/10\s+5/5\s+-$", table, re.M), table
-    assert "bob: 1/20" in table and "carol: 1/20" in table
+    tests01 = len(p01)
+    assert re.search(rf"^alice\s+ex01_memory_formulas\s+{max01:g}/{max01:g}\s+{tests01}/{tests01}\s+-$", table,
+                     re.M), table
+    assert f"bob: 1/{max01 + max09:g}" in table and f"carol: 1/{max01 + max09:g}" in table
     assert elapsed < 300
 
 
@@ -472,7 +474,7 @@ def test_printing_megabytes_and_deleting_outside_files(tmp_path):
     assert 100_000 < kept.stat().st_size < 300_000  # 8 MB printed, about 100 kB kept
     assert victim.read_text() == "keep me"
     real = victim.resolve()
-    for what in (f"refused to delete {real}", f"refused to delete {real.parent}", f"refused to overwrite {real}",
+    for what in (f"refused to delete {real}", f"refused to delete {real.parent}", f"refused to write to {real}",
                  f"refused to move away {real}"):
         assert any(what in n for n in erin.notes), (what, erin.notes)
     assert not any("scratch.txt" in n for n in erin.notes)  # inside its own folder it may do what it likes

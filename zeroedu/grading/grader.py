@@ -39,7 +39,9 @@ import io
 import json
 import logging
 import os
+import pickle
 import re
+import select
 import shutil
 import signal
 import sys
@@ -259,19 +261,23 @@ def _loaded(source: str) -> set[str]:
 
 def places(nb: Any) -> list[str]:
     """Where each cell of an assembled notebook runs when graded: "kernel" (the learner's answers and added
-    cells), "grader" (tests, and given cells that use the learner's names: they run here, on proxies), "both"
-    (given set-up code the answers need: imports, helpers), or "" (markdown)."""
+    cells), "both" (given set-up code the answers need: the cells before the first answer, and those defining
+    names an answer uses, unless they use the learner's names), "grader" (tests and every other given cell: they
+    run here, on proxies of the learner's objects), or "" (markdown)."""
     answers = set(nb.metadata.get("zeroedu_grade", {}).get("answer_names", []))
+    roles = [nbtools.cell_info(c).role if c.metadata.get("zeroedu_grade", {}).get("grade_id") else
+             ("free" if c.cell_type == "code" else "markdown") for c in nb.cells]
+    first_answer = next((i for i, r in enumerate(roles) if r == "answer"), len(roles))
+    needed = set().union(*(_loaded(c.source) for c, r in zip(nb.cells, roles, strict=True) if r == "answer"))
     out = []
-    for cell in nb.cells:
-        gid = cell.metadata.get("zeroedu_grade", {}).get("grade_id")
-        role = nbtools.cell_info(cell).role if gid else ("free" if cell.cell_type == "code" else "markdown")
+    for i, (cell, role) in enumerate(zip(nb.cells, roles, strict=True)):
         if role == "markdown" or cell.cell_type != "code":
             out.append("")
         elif role == "test":
             out.append("grader")
         elif role == "locked":
-            out.append("grader" if _loaded(cell.source) & answers else "both")
+            setup = i < first_answer or bool(_defined(cell.source) & needed)
+            out.append("both" if setup and not _loaded(cell.source) & answers else "grader")
         else:
             out.append("kernel")
     return out
@@ -512,6 +518,7 @@ class _Runner:
                 return CellRun("error", type(e).__name__, _cut(str(e), self.limits.max_output),
                                time.monotonic() - t0)
             finally:
+                link.close()
                 remote.set_session(None)
                 _Captured.local.buffer = None
 
@@ -528,8 +535,8 @@ class _Runner:
         self.grader_error = f"{run.ename}: {run.evalue}" if run.status == "error" else run.status
         return "killed" if link.status in ("killed", "died") else ("ok" if run.status == "ok" else run.status)
 
-    async def rpc(self, token: str, deadline: float) -> tuple[str, str]:
-        """Have the kernel answer request `token` (kernel.serve); (status, detail) as _kernel_cell sees it."""
+    async def serve(self, token: str, deadline: float) -> tuple[str, str]:
+        """Run kernel.serve(token) in the kernel while a test cell talks to it; (status, detail) at its end."""
         code = f"__import__('zeroedu.grading.kernel', fromlist=['serve']).serve({token!r})"
         cell = nbformat.v4.new_code_cell(code)
         replies: dict[int, dict] = {}
@@ -684,7 +691,8 @@ class _Captured:
 
 class _KernelLink:
     """What in_kernel and the learner proxies talk to while the grader runs one test cell (from a worker
-    thread): each request is one small cell in the kernel, under what is left of the test's time."""
+    thread): kernel.serve runs in the kernel for the whole cell, and requests and answers go through two named
+    pipes in the work folder, under what is left of the test's time."""
 
     def __init__(self, runner: _Runner, deadline: float) -> None:
         self.runner = runner
@@ -692,22 +700,97 @@ class _KernelLink:
         self.status = "ok"
         self.detail = ""
         self.folder = runner.workdir / kernel_exchange()
+        self.future: Any = None
+        self.requests = -1
+        self.answers = -1
+        self.paths: list[Path] = []
+
+    def _start(self) -> None:
+        token = os.urandom(8).hex()
+        self.folder.mkdir(exist_ok=True)
+        paths = [self.folder / f"{token}.{end}" for end in ("in", "out")]
+        for path in paths:
+            os.mkfifo(path, 0o666)
+            os.chmod(path, 0o666)   # the kernel may run as another user
+        assert self.runner.loop is not None
+        self.future = asyncio.run_coroutine_threadsafe(self.runner.serve(token, self.deadline), self.runner.loop)
+        self.answers = os.open(paths[1], os.O_RDONLY | os.O_NONBLOCK)
+        while True:   # the write end opens once the kernel has opened the read end
+            try:
+                self.requests = os.open(paths[0], os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:
+                if self.future.done() or time.monotonic() > self.deadline:
+                    self._ended()
+                time.sleep(0.005)
+        os.set_blocking(self.requests, True)
+        self.paths = paths   # removed in close(): the kernel may not have opened the answer pipe yet
+
+    def _ended(self) -> None:
+        status, detail = self.future.result() if self.future is not None and self.future.done() else \
+            ("timeout", f"{max(0.0, self.deadline - time.monotonic()):.0f}")
+        self.status, self.detail = (status, detail) if status != "ok" else ("ended", "")
+        if status in ("killed", "died"):
+            self.runner.kernel_lost = True
+        raise remote.KernelUnavailable(f"your code did not finish: {status}" if status != "ok" else
+                                       "the kernel stopped answering (your code ended the grader's request loop)")
+
+    def _read(self, n: int) -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            left = self.deadline - time.monotonic()
+            ready, _, _ = select.select([self.answers], [], [], max(0.0, min(left, 0.5)))
+            if ready:
+                chunk = os.read(self.answers, min(n - len(out), 1 << 20))
+                if not chunk:
+                    self._wait_end()
+                out += chunk
+            elif left <= 0 or (self.future is not None and self.future.done()):
+                self._wait_end()
+        return bytes(out)
+
+    def _wait_end(self) -> None:
+        if self.future is not None:
+            with contextlib.suppress(Exception):
+                self.future.result(timeout=max(1.0, self.deadline - time.monotonic() + 10))
+        self._ended()
 
     def call(self, fn: Any, args: tuple, kwargs: dict) -> Any:
         if self.status != "ok" or self.runner.kernel_lost:
             raise remote.KernelUnavailable("the kernel is gone (an earlier request of this test timed out or "
                                            "ended it)")
-        token = remote.write_request(self.folder, fn, tuple(args), dict(kwargs))
-        assert self.runner.loop is not None
-        status, detail = asyncio.run_coroutine_threadsafe(self.runner.rpc(token, self.deadline),
-                                                          self.runner.loop).result()
-        (self.folder / f"{token}.request").unlink(missing_ok=True)
-        if status != "ok":
+        if self.future is None:
+            self._start()
+        data = pickle.dumps({"fn": fn, "args": tuple(args), "kwargs": dict(kwargs)})
+        try:
+            os.write(self.requests, len(data).to_bytes(8, "big") + data)
+        except OSError:
+            self._wait_end()
+        size = int.from_bytes(self._read(8), "big")
+        if size > remote.MAX_ANSWER_BYTES:
+            raise remote.KernelUnavailable(f"your code returned {size} bytes of data, more than the grader reads "
+                                           f"({remote.MAX_ANSWER_BYTES})")
+        return remote.decode_answer(self._read(size), self.runner.limits.max_output, self.runner.ns)
+
+    def close(self) -> None:
+        """Tell the kernel's loop this test is done, and wait for its cell to end."""
+        if self.future is None:
+            return
+        with contextlib.suppress(OSError):
+            os.write(self.requests, (0).to_bytes(8, "big"))
+        for fd in (self.requests, self.answers):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for path in self.paths:
+            path.unlink(missing_ok=True)
+        try:
+            status, detail = self.future.result(timeout=max(5.0, self.deadline - time.monotonic() + 10))
+        except Exception:
+            status, detail = "timeout", ""
+        if status != "ok" and self.status == "ok":
             self.status, self.detail = status, detail
-            if status in ("killed", "died"):
-                self.runner.kernel_lost = True
-            raise remote.KernelUnavailable(f"your code did not finish: {status}")
-        return remote.read_answer(self.folder, token, self.runner.limits.max_output, self.runner.ns)
+        if status in ("killed", "died"):
+            self.runner.kernel_lost = True
 
 
 def kernel_exchange() -> str:

@@ -2,9 +2,10 @@
 
 The grader never runs a test in the learner's kernel. It runs the learner's cells there, then asks for values:
 "call your `model_state_bytes` with these arguments", "train your `MyStage1` on these cases and hand back what
-every rank measured". `serve(token)` answers one such request: it reads it from the work folder (written by the
-grader, pickled), calls the learner's code, and writes back plain data only (tensors, numbers, strings, lists,
-dicts) that the grader loads with `torch.load(weights_only=True)` and judges in its own process.
+every rank measured". While the grader runs one test cell, `serve(token)` runs in the kernel and answers its
+requests through two named pipes in the work folder: each request is pickled by the grader, each answer is
+plain data only (tensors, numbers, strings, lists, dicts) that the grader loads with
+`torch.load(weights_only=True)` and judges in its own process.
 
 `apply_blocks()` replaces the engine pieces an exercise asks the learner to write (a stage's `reduce_bucket`,
 `zeropp.quantize`, ...) by versions that raise "write your own" whenever learner code is involved: an engine
@@ -58,7 +59,7 @@ def learner_on_stack() -> bool:
     """Is a frame of learner code (a notebook cell, exec'd text) between here and the grader's request?"""
     frame = sys._getframe(2)
     while frame is not None:
-        if frame.f_code is serve.__code__:
+        if frame.f_code is answer.__code__:
             return False
         if _is_learner_file(frame.f_code.co_filename):
             return True
@@ -203,18 +204,44 @@ def _error(e: BaseException) -> dict:
             "message": str(e)[:MAX_MESSAGE], "where": where}
 
 
-def serve(token: str) -> None:
-    """Answer the grader's request `token`: call what it names, write back plain data or the error."""
-    import torch
-
-    folder = os.path.join(os.getcwd(), EXCHANGE)
+def answer(request: dict) -> dict:
+    """Call what the grader's request names; {"value": plain data} or {"error": what was raised}."""
     try:
-        with open(os.path.join(folder, f"{token}.request"), "rb") as f:
-            request = pickle.load(f)   # written by the grader; names of learner objects resolve here (user)
         fn = request["fn"]
         if isinstance(fn, str):
             fn = user(fn)
-        answer: dict = {"value": plain(fn(*request["args"], **request["kwargs"]))}
+        return {"value": plain(fn(*request["args"], **request["kwargs"]))}
     except BaseException as e:  # noqa: BLE001 -- KeyboardInterrupt too: the grader's time limit interrupted it
-        answer = {"error": _error(e)}
-    torch.save(answer, os.path.join(folder, f"{token}.answer"))
+        return {"error": _error(e)}
+
+
+def serve(token: str) -> None:
+    """Answer the grader's requests for one test cell, until it says it is done (a zero-length request).
+
+    Requests come through the named pipe `<token>.in` in the work folder (8-byte length, then a pickle written
+    by the grader: names of learner objects resolve here, see `user`), answers go back through `<token>.out`
+    (8-byte length, then torch.save of plain data). An interrupt (the test's time limit) ends the loop."""
+    import io
+
+    import torch
+
+    folder = os.path.join(os.getcwd(), EXCHANGE)
+    with open(os.path.join(folder, f"{token}.in"), "rb") as requests, \
+            open(os.path.join(folder, f"{token}.out"), "wb") as answers:
+        while True:
+            head = requests.read(8)
+            size = int.from_bytes(head, "big") if len(head) == 8 else 0
+            if size == 0:
+                return
+            data = requests.read(size)
+            try:
+                result = answer(pickle.loads(data))
+            except BaseException as e:  # noqa: BLE001 -- a name that does not resolve, an interrupt
+                result = {"error": _error(e)}
+            buffer = io.BytesIO()
+            torch.save(result, buffer)
+            out = buffer.getvalue()
+            answers.write(len(out).to_bytes(8, "big") + out)
+            answers.flush()
+            if result.get("error", {}).get("type") == "KeyboardInterrupt":
+                return

@@ -12,12 +12,8 @@ from __future__ import annotations
 
 import builtins
 import collections
-import os
-import pickle
 import threading
-import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 MAX_ANSWER_BYTES = 512 * 2**20   # an answer file larger than this is refused, unread
@@ -147,38 +143,16 @@ def raise_remote(error: dict, cap: int) -> None:
     raise e
 
 
-def write_request(folder: Path, fn: Any, args: tuple, kwargs: dict) -> str:
-    token = uuid.uuid4().hex
-    folder.mkdir(exist_ok=True)
-    path = folder / f"{token}.request"
-    with open(path, "wb") as f:
-        pickle.dump({"fn": fn, "args": args, "kwargs": kwargs}, f)
-    os.chmod(path, 0o644)
-    return token
+def decode_answer(data: bytes, cap: int, ns: dict | None) -> Any:
+    """The kernel's answer: its value, or the learner's exception raised here."""
+    import io
 
-
-def read_answer(folder: Path, token: str, cap: int, ns: dict | None) -> Any:
-    """The kernel's answer to `token`: its value, or the learner's exception raised here."""
     import torch
 
-    path = folder / f"{token}.answer"
     try:
-        size = path.lstat().st_size
-        if not path.is_file() or path.is_symlink():
-            raise OSError("not a plain file")
-    except OSError:
-        raise KernelUnavailable("the kernel gave no answer (it was stopped, or your code ended it)") from None
-    try:
-        if size > MAX_ANSWER_BYTES:
-            raise KernelUnavailable(f"your code returned {size} bytes of data, more than the grader reads "
-                                    f"({MAX_ANSWER_BYTES})")
-        try:
-            answer = torch.load(path, weights_only=True)
-        except Exception as e:
-            raise KernelUnavailable(f"the kernel's answer could not be read as plain data ({type(e).__name__})") \
-                from None
-    finally:
-        path.unlink(missing_ok=True)
+        answer = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:
+        raise KernelUnavailable(f"the kernel's answer could not be read as plain data ({type(e).__name__})") from None
     if not isinstance(answer, dict) or not ({"value"} == set(answer) or {"error"} == set(answer)):
         raise KernelUnavailable("the kernel's answer is not in the grader's format")
     if "error" in answer:
