@@ -71,6 +71,14 @@ def make_submission(exercise: str, fixture: str | None, folder: Path, victim: Pa
     return path
 
 
+def _victim(tmp_path: Path) -> Path:
+    """A file outside every work folder that submissions try to change."""
+    victim = tmp_path / "outside" / "precious.txt"
+    victim.parent.mkdir()
+    victim.write_text("keep me")
+    return victim
+
+
 def _by_id(result: grader.ExerciseResult) -> dict[str, grader.TestResult]:
     return {t.grade_id: t for t in result.tests}
 
@@ -457,9 +465,7 @@ def test_gradebook_of_three_learners_one_hanging_one_crashing(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_printing_megabytes_and_deleting_outside_files(tmp_path):
-    victim = tmp_path / "outside" / "precious.txt"
-    victim.parent.mkdir()
-    victim.write_text("keep me")
+    victim = _victim(tmp_path)
     folder = tmp_path / "submissions"
     make_submission("ex01_memory_formulas", "gradebook/dave_prints.cells", folder / "dave")
     make_submission("ex01_memory_formulas", "gradebook/erin_deletes.cells", folder / "erin", victim=victim)
@@ -538,9 +544,7 @@ CHEATS = {
 @needs_sandbox
 @pytest.mark.timeout(1500)
 def test_hostile_submissions_score_what_they_should_and_change_nothing_outside(tmp_path):
-    victim = tmp_path / "outside" / "precious.txt"
-    victim.parent.mkdir()
-    victim.write_text("keep me")
+    victim = _victim(tmp_path)
     folder = tmp_path / "submissions"
     other = make_submission("ex01_memory_formulas", None, folder / "zz_honest")   # the vandal's target
     mark = f"zeroedu-survivor-{time.time_ns()}"
@@ -722,3 +726,22 @@ def test_doctor_reports_the_sandbox(tmp_path, monkeypatch):
     assert real.status == (doctor.OK if SANDBOX_OK else doctor.WARN)
     monkeypatch.setenv("PATH", str(tmp_path))          # and where bwrap cannot be found
     assert "not installed" in doctor.check_sandbox().detail
+
+
+@needs_sandbox
+@pytest.mark.timeout(400)
+def test_sandboxed_kernels_are_interrupted_and_killed_like_trusted_ones(tmp_path):
+    folder = tmp_path / "submissions"
+    make_submission("ex01_memory_formulas", "hostile/ex01_loops.cells", folder / "loops")
+    make_submission("ex01_memory_formulas", "gradebook/bob_hangs.cells", folder / "bob")
+    loops, bob = grader.grade([folder], SOLUTIONS, grader.Limits(cell_timeout=4), progress=False,
+                              options=_sandboxed([folder]), jobs=2)
+    assert loops.notes[0] == ("the answer cell 'ex01-bytes-per-element' failed: timed out after 4 s and was "
+                              "interrupted: an infinite loop, or ranks waiting for each other (a deadlock)"), \
+        loops.notes
+    assert bob.notes[0] == (
+        "the answer cell 'ex01-bytes-per-element' failed: ran past 4 s and ignored the interrupt: the kernel and "
+        "every process it started were killed, and a fresh kernel ran the cells after it"), bob.notes
+    for r in (loops, bob):   # the cells after the loop ran: model_state_bytes exists, its stage checks pass
+        assert {t.grade_id for t in r.tests if t.passed} >= {"ex01-hidden-errors"}, [(t.grade_id, t.message)
+                                                                                      for t in r.tests]

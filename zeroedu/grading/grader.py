@@ -1,29 +1,34 @@
-"""`zeroedu grade PATH... [--json F] [--csv F] [--timeout S]`: grade exercise notebooks, print a gradebook.
+"""`zeroedu grade PATH... [--json F] [--csv F] [--timeout S] [--trusted]`: grade exercise notebooks.
 
     zeroedu grade exercises/ex01_memory_formulas.ipynb     # one notebook
     zeroedu grade submissions/ --json grades.json --csv grades.csv
                                      # submissions/<learner>/*.ipynb, one folder per learner
 
-How a notebook is graded, the way nbgrader's autograder does it:
-1. It is matched to solutions/<same name>.ipynb (or, if renamed, to the solution sharing most nbgrader
-   grade_ids). The learner's answer cells are kept; every test and locked cell is restored from the solution,
-   hidden tests included, so editing a test or the setup changes nothing. Extra cells the learner added run
-   where they are.
-2. It runs in a fresh python3 kernel (nbclient), in a temporary working folder holding a copy of the notebook,
-   cell by cell: a cell that fails does not stop the next, so each test cell is graded on its own. A test cell
-   scores its nbgrader points when it runs without error, else zero with the first error in plain words.
-3. Limits: --timeout seconds per cell (the kernel is interrupted; if it ignores that, its whole process group
-   is killed and a fresh kernel replays the cells that had run), --notebook-timeout for the whole notebook
-   (kernel start-up and the notebook's `grader_setup` code are not counted), and --max-output bytes of output
-   kept (print() is capped inside the kernel too). launch() inside a test gets a few seconds less than the
-   cell (ZEROEDU_TEST_TIMEOUT), so deadlocked ranks end with launch's own report of where they wait.
-   A file-system guard (an audit hook, see guard/sitecustomize.py) refuses deletes, renames and overwrites
-   outside the working folder and the report names them.
+How a notebook is graded:
+1. Every submission is copied and hashed before any runs; symbolic links are refused, and of several copies of
+   one exercise by one learner only the newest is graded (the others are named in its notes). A notebook is
+   matched to solutions/<same name>.ipynb (or, if renamed, to the solution sharing most nbgrader grade_ids).
+   The learner's answer cells are kept; every test and locked cell is restored from the solution, hidden tests
+   included; a notebook that lost its nbgrader metadata has its cells matched by content.
+2. The learner's cells run in a fresh python3 kernel (nbclient) inside a bubblewrap sandbox (sandbox.py), cell
+   by cell. The tests do not: each test cell runs in this process, where the learner's names are proxies
+   (remote.py). Calling one asks the kernel to call the learner's object, and only plain data comes back,
+   through two named pipes, loaded with torch.load(weights_only=True) (kernel.py). Harness code marks what must
+   run next to the learner's code with in_kernel(...) (training on ranks, for instance); references, expected
+   values and checks are computed here. Hidden test sources never reach the kernel. A test cell scores its
+   nbgrader points when it runs here without error, else zero with the first error in plain words.
+3. While a notebook is graded, the engine pieces its exercise asks for (solution metadata zeroedu.write_your_own)
+   raise "write your own" whenever learner code reaches them (kernel.apply_blocks, applied by
+   guard/sitecustomize.py in every Python process of the sandbox).
+4. Limits: --timeout seconds per cell (the kernel is interrupted; if it ignores that, its whole sandbox is
+   killed and a fresh kernel replays the cells that had run), --notebook-timeout for the whole notebook
+   (kernel start-up and the notebook's `grader_setup` code are not counted), --max-output bytes of output kept
+   and characters per message, and in the sandbox memory, processes and CPU time per process. launch() inside
+   a test gets a few seconds less than the cell (ZEROEDU_TEST_TIMEOUT), so deadlocked ranks end with launch's
+   own report of which rank is not in the collective.
 
-Limits, honestly: this grades course exercises from learners acting in good faith. The audit hook stops
-accidents, not attacks: ctypes, other programs (rm), a process that leaves the kernel's process group, one
-enormous output message, and learner code that patches the test helpers all get around it. Grade untrusted
-code inside a container or a throwaway VM.
+Without bubblewrap, grading refuses unless --trusted is given: then there is no sandbox, only the audit hook of
+guard/sitecustomize.py, which stops accidents, not attacks (for learners grading their own notebooks).
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ from zeroedu.grading.build import default_dir
 
 GUARD_DIR = Path(__file__).resolve().parent / "guard"
 REFUSED_MARK = "zeroedu-grade-refused "   # guard/sitecustomize.py writes refusals after it
-PROBE_SECONDS = 5.0       # after a timeout, how long an interrupted kernel gets to answer again
+PROBE_SECONDS = 10.0      # after a timeout, how long an interrupted kernel gets to answer again (loaded machines)
 MAX_RESTARTS = 3          # fresh kernels per notebook after kills or crashes
 TIMEOUT_ENAME = "GraderTimeout"
 STARTUP_SECONDS = 180     # kernel start plus the set-up code: importing torch on a loaded machine is slow

@@ -148,8 +148,12 @@ class Sandbox:
                     os.chown(self.connection_file, SANDBOX_UID, SANDBOX_UID)
                 return sandbox.command(cmd)
 
-        return Sandboxed(kernel_name=client.kernel_name, transport="ipc", ip=str(self.sockets / "kernel"),
-                         connection_file=str(self.sockets / "kernel.json"), cache_ports=False)
+        km = Sandboxed(kernel_name=client.kernel_name, transport="ipc", ip=str(self.sockets / "kernel"),
+                       connection_file=str(self.sockets / "kernel.json"), cache_ports=False)
+        # A signal to the process group would reach bwrap, not the kernel in its own session and pid namespace:
+        # interrupt by message on the control channel (ipykernel then signals itself).
+        km.kernel_spec.interrupt_mode = "message"
+        return km
 
 
 def _needed() -> list[Path]:
