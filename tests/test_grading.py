@@ -7,8 +7,10 @@ notebooks, not with numbers the grader computes.
 """
 
 import csv
+import hashlib
 import io
 import json
+import os
 import re
 import time
 from contextlib import redirect_stdout
@@ -67,6 +69,14 @@ def make_submission(exercise: str, fixture: str | None, folder: Path, victim: Pa
     path = folder / f"{exercise}.ipynb"
     nbformat.write(nb, str(path))
     return path
+
+
+def _victim(tmp_path: Path) -> Path:
+    """A file outside every work folder that submissions try to change."""
+    victim = tmp_path / "outside" / "precious.txt"
+    victim.parent.mkdir()
+    victim.write_text("keep me")
+    return victim
 
 
 def _by_id(result: grader.ExerciseResult) -> dict[str, grader.TestResult]:
@@ -446,16 +456,16 @@ def test_gradebook_of_three_learners_one_hanging_one_crashing(tmp_path):
     ]
     assert rows[2]["first_failure"] == bob["ex01_memory_formulas"]["first_failure"]
     table = out.getvalue()
-    assert re.search(r"^alice\s+ex01_memory_formulas\s+10/10\s+5/5\s+-$", table, re.M), table
-    assert "bob: 1/20" in table and "carol: 1/20" in table
+    tests01 = len(p01)
+    assert re.search(rf"^alice\s+ex01_memory_formulas\s+{max01:g}/{max01:g}\s+{tests01}/{tests01}\s+-$", table,
+                     re.M), table
+    assert f"bob: 1/{max01 + max09:g}" in table and f"carol: 1/{max01 + max09:g}" in table
     assert elapsed < 300
 
 
 @pytest.mark.timeout(300)
 def test_printing_megabytes_and_deleting_outside_files(tmp_path):
-    victim = tmp_path / "outside" / "precious.txt"
-    victim.parent.mkdir()
-    victim.write_text("keep me")
+    victim = _victim(tmp_path)
     folder = tmp_path / "submissions"
     make_submission("ex01_memory_formulas", "gradebook/dave_prints.cells", folder / "dave")
     make_submission("ex01_memory_formulas", "gradebook/erin_deletes.cells", folder / "erin", victim=victim)
@@ -470,9 +480,268 @@ def test_printing_megabytes_and_deleting_outside_files(tmp_path):
     assert 100_000 < kept.stat().st_size < 300_000  # 8 MB printed, about 100 kB kept
     assert victim.read_text() == "keep me"
     real = victim.resolve()
-    for what in (f"refused to delete {real}", f"refused to delete {real.parent}", f"refused to overwrite {real}",
+    for what in (f"refused to delete {real}", f"refused to delete {real.parent}", f"refused to write to {real}",
                  f"refused to move away {real}"):
         assert any(what in n for n in erin.notes), (what, erin.notes)
     assert not any("scratch.txt" in n for n in erin.notes)  # inside its own folder it may do what it likes
     text = (executed / "erin" / "ex01_memory_formulas.ipynb").read_text()
     assert "zeroedu grader: refused to delete" in text and "outside this notebook's working directory" in text
+
+
+# -- hostile submissions, in the sandbox ---------------------------------------------------------------------
+
+from zeroedu.grading import sandbox  # noqa: E402
+
+SANDBOX_OK, SANDBOX_WHY = sandbox.check()
+needs_sandbox = pytest.mark.skipif(not SANDBOX_OK, reason=f"needs bubblewrap: {SANDBOX_WHY}")
+HOSTILE = FIXTURES / "hostile"
+DIFFERENT = FIXTURES / "different"
+
+
+def _sandboxed(inputs=(), outputs=()) -> grader.Options:
+    return grader.Options(trusted=False, hidden=sandbox.hidden_paths(SOLUTIONS, list(inputs), list(outputs)))
+
+
+def _full(exercise: str) -> float:
+    return sum(_points(exercise).values())
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _without(exercise: str, *gids: str) -> float:
+    points = _points(exercise)
+    return sum(v for g, v in points.items() if g not in gids)
+
+
+# fixture -> (exercise, expected points as a function of the solution's points). Cheats get nothing for the
+# parts they cheat; what they answered honestly keeps its points.
+CHEATS = {
+    "ex04_pass_subclass.cells": ("ex04_stage1_sharding", lambda: _points("ex04_stage1_sharding")["ex04-test-bounds"]
+                                 + _points("ex04_stage1_sharding")["ex04-hidden-bounds"]),
+    "ex04_bare_super.cells": ("ex04_stage1_sharding", lambda: _points("ex04_stage1_sharding")["ex04-test-bounds"]
+                              + _points("ex04_stage1_sharding")["ex04-hidden-bounds"]),
+    "ex05_pass_subclass.cells": ("ex05_stage2_accumulation", lambda: 0),
+    "ex06_pass_subclass.cells": ("ex06_stage3_gather", lambda: 0),
+    "ex08_wraps_engine.cells": ("ex08_qwz_quantize", lambda: 0),
+    "ex01_execs_solution.cells": ("ex01_memory_formulas", lambda: 0),
+    "ex01_forged_check.cells": ("ex01_memory_formulas", lambda: 0),
+    "ex01_ast_try.cells": ("ex01_memory_formulas", lambda: 0),
+    "ex01_ast_no_asserts.cells": ("ex01_memory_formulas", lambda: 0),
+    "ex02_reads_reference.cells": ("ex02_ring_collectives", lambda: sum(
+        _points("ex02_ring_collectives")[g] for g in ("ex02-test-ag-values", "ex02-test-ag-bytes", "ex02-hidden-ag"))),
+    "ex01_steals_hidden_tests.cells": ("ex01_memory_formulas", lambda: _full("ex01_memory_formulas")),
+    "ex01_vandal.cells": ("ex01_memory_formulas", lambda: _full("ex01_memory_formulas")),
+    "ex01_resources.cells": ("ex01_memory_formulas", lambda: _full("ex01_memory_formulas")),
+    "ex01_huge_error.cells": ("ex01_memory_formulas", lambda: _points("ex01_memory_formulas")["ex01-hidden-errors"]),
+    "ex04_helper_shadows.cells": ("ex04_stage1_sharding", lambda: _full("ex04_stage1_sharding")),
+    "ex02_extra_step.cells": ("ex02_ring_collectives", lambda: _without(
+        "ex02_ring_collectives", "ex02-test-ag-bytes", "ex02-hidden-ag", "ex02-test-ar-bytes", "ex02-hidden-ar")),
+}
+
+
+@needs_sandbox
+@pytest.mark.timeout(1500)
+def test_hostile_submissions_score_what_they_should_and_change_nothing_outside(tmp_path):
+    victim = _victim(tmp_path)
+    folder = tmp_path / "submissions"
+    other = make_submission("ex01_memory_formulas", None, folder / "zz_honest")   # the vandal's target
+    mark = f"zeroedu-survivor-{time.time_ns()}"
+    for fixture, (exercise, _) in CHEATS.items():
+        text = (HOSTILE / fixture).read_text()
+        for key, value in {"{OTHER}": str(other.resolve()), "{SOLUTIONS_README}": str(SOLUTIONS / "README.md"),
+                           "{MARK}": mark}.items():
+            text = text.replace(key, value)
+        (tmp_path / fixture).write_text(text)
+        make_submission(exercise, str(tmp_path / fixture), folder / fixture.removesuffix(".cells"), victim=victim)
+    # no metadata: a correct notebook saved by a tool that drops nbgrader's cell metadata
+    bare = make_submission("ex01_memory_formulas", None, folder / "no_metadata")
+    nb = nbformat.read(bare, as_version=4)
+    for cell in nb.cells:
+        cell.metadata.pop("nbgrader", None)
+    nbformat.write(nb, str(bare))
+    protected = {"solutions": _snapshot(SOLUTIONS), "submissions": _snapshot(folder), "victim": victim.read_bytes()}
+    executed, report = tmp_path / "executed", tmp_path / "grades.json"
+    limits = grader.Limits(cell_timeout=60, max_output=2000)
+    t0 = time.monotonic()
+    results = grader.grade([folder], SOLUTIONS, limits, executed, progress=False,
+                           options=_sandboxed([folder], [executed, report]), jobs=2)
+    elapsed = time.monotonic() - t0
+    report.write_text(json.dumps(grader.gradebook(results)))
+    by = {(r.learner, r.exercise): r for r in results if r.status == "graded"}
+    for fixture, (exercise, expected) in CHEATS.items():
+        r = by[(fixture.removesuffix(".cells"), exercise)]
+        assert r.points == expected(), (fixture, r.points, [(t.grade_id, t.message[:200]) for t in r.tests], r.notes)
+        assert r.max_points == _full(exercise)
+    assert by[("no_metadata", "ex01_memory_formulas")].points == _full("ex01_memory_formulas")
+    assert by[("zz_honest", "ex01_memory_formulas")].points == _full("ex01_memory_formulas")
+    # nothing outside the work folders changed: solutions, every submission, the victim
+    assert _snapshot(SOLUTIONS) == protected["solutions"]
+    assert _snapshot(folder) == protected["submissions"]
+    assert victim.read_bytes() == protected["victim"]
+    # the messages say what happened
+    stage1 = {t.grade_id: t for t in by[("ex04_pass_subclass", "ex04_stage1_sharding")].tests}
+    assert "Stage1.reduce_bucket is the part this exercise asks you to write" in stage1["ex04-test-trains"].message
+    sup = {t.grade_id: t for t in by[("ex04_bare_super", "ex04_stage1_sharding")].tests}
+    assert "asks you to write" in sup["ex04-test-trains"].message
+    q = {t.grade_id: t for t in by[("ex08_wraps_engine", "ex08_qwz_quantize")].tests}
+    assert "zeropp.quantize is the part this exercise asks you to write" in q["ex08-test-scales"].message
+    shadow = by[("ex04_helper_shadows", "ex04_stage1_sharding")]
+    assert any("defines 'launch'" in n for n in shadow.notes), shadow.notes
+    huge = by[("ex01_huge_error", "ex01_memory_formulas")]
+    assert all(len(t.message) <= 2000 for t in huge.tests) and all(len(n) <= 2000 for n in huge.notes)
+    assert "your code raised ValueError: xxxx" in huge.tests[0].message
+    assert report.stat().st_size < 200_000
+    extra = {t.grade_id: t for t in by[("ex02_extra_step", "ex02_ring_collectives")].tests}
+    assert "1 chunk(s) more than the ring's" in extra["ex02-test-ag-bytes"].message, extra["ex02-test-ag-bytes"]
+    assert "N times more" not in extra["ex02-test-ag-bytes"].message
+    # the hidden tests never reached the kernel: the hook that saw every cell printed none of them
+    seen = (executed / "ex01_steals_hidden_tests" / "ex01_memory_formulas.ipynb").read_text()
+    stolen = [c for c in nbformat.reads(seen, as_version=4).cells if c.cell_type == "code"
+              and "=====" in "".join(o.get("text", "") for o in c.get("outputs", []))]
+    assert stolen, "the learner's last cell printed what its hook saw"
+    printed = "".join(o.get("text", "") for o in stolen[0].outputs)
+    assert "def bytes_per_element" in printed            # it did see the learner's own cells
+    assert "check(" not in printed and "HIDDEN" not in printed and "other model sizes" not in printed
+    # memory and processes were limited
+    hog = by[("ex01_resources", "ex01_memory_formulas")]
+    assert any("failed" in n and ("MemoryError" in n or "memory" in n.lower() or "died" in n) for n in hog.notes), \
+        hog.notes
+    survivors = [p for p in Path("/proc").iterdir() if p.name.isdigit() and mark.encode() in
+                 (p / "cmdline").read_bytes()] if Path("/proc").is_dir() else []
+    assert not survivors
+    vandal = by[("ex01_vandal", "ex01_memory_formulas")]
+    assert vandal.points == _full("ex01_memory_formulas")
+    print(f"graded {len(results)} notebooks in {elapsed:.0f} s")
+
+
+@needs_sandbox
+@pytest.mark.timeout(600)
+def test_rank_failures_keep_the_learners_line_and_name_the_rank_that_left_the_collective(tmp_path):
+    folder = tmp_path / "submissions"
+    for fixture in ("ex04_rank_raises.cells", "ex04_rank_skips.cells"):
+        make_submission("ex04_stage1_sharding", f"hostile/{fixture}", folder / fixture.removesuffix(".cells"))
+    results = grader.grade([folder], SOLUTIONS, grader.Limits(cell_timeout=24), progress=False,
+                           options=_sandboxed([folder]), jobs=2)
+    raises, skips = ({t.grade_id: t for t in r.tests} for r in results)
+    message = raises["ex04-test-trains"].message
+    assert "on rank 1 of 2, MyStage1 raised ValueError: publish on rank 1 gave up on bucket 0" in message, message
+    assert "in publish, line" in message and 'raise ValueError(f"publish on rank' in message, message
+    hang = skips["ex04-test-trains"].message
+    assert "MyStage1 hung" in hang and "Rank 1 is not in the collective the other ranks wait in" in hang, hang
+    assert "in publish, line" in hang and "time.sleep(0.1)" in hang, hang
+    assert "In a ring" not in hang   # the ring exercise's hint belongs to the ring exercise
+
+
+@needs_sandbox
+@pytest.mark.timeout(900)
+def test_ten_correct_but_different_solutions_score_full_marks(tmp_path):
+    folder = tmp_path / "submissions"
+    fixtures = sorted(p.name for p in DIFFERENT.glob("*.cells"))
+    assert len(fixtures) >= 10
+    exercises = {p.stem: p.stem for p in SOLUTIONS.glob("*.ipynb")}
+    for fixture in fixtures:
+        exercise = next(e for e in exercises if e.startswith(fixture.split("_")[0] + "_"))
+        make_submission(exercise, f"different/{fixture}", folder / fixture.removesuffix(".cells"))
+    results = grader.grade([folder], SOLUTIONS, grader.Limits(cell_timeout=90), progress=False,
+                           options=_sandboxed([folder]), jobs=2)
+    graded = [r for r in results if r.status == "graded"]
+    assert len(graded) == len(fixtures)
+    for r in graded:
+        assert r.points == r.max_points == _full(r.exercise), (r.learner, [(t.grade_id, t.message) for t in r.tests
+                                                                           if not t.passed], r.notes)
+
+
+@pytest.mark.timeout(300)
+def test_gradebook_counts_unreadable_as_zero_of_full_grades_the_newest_copy_and_refuses_links(tmp_path):
+    folder = tmp_path / "submissions"
+    old = make_submission("ex01_memory_formulas", "ex01_missing_1_over_n.cells", folder / "frank" / "old")
+    newest = make_submission("ex01_memory_formulas", None, tmp_path / "x")
+    first = folder / "frank" / "ex01_memory_formulas.ipynb"
+    first.write_bytes(old.read_bytes())
+    copy_1 = folder / "frank" / "ex01_memory_formulas (1).ipynb"
+    copy_1.write_bytes(newest.read_bytes())
+    now = time.time()
+    for i, p in enumerate((old, first, copy_1)):   # the copy named "(1)" is the newest
+        os.utime(p, (now - 100 + i * 10, now - 100 + i * 10))
+    (folder / "frank" / "ex09_choose_strategy.ipynb").write_text("{ not a notebook")
+    (folder / "gina").mkdir()
+    (folder / "gina" / "ex01_memory_formulas.ipynb").symlink_to(SOLUTIONS / "ex01_memory_formulas.ipynb")
+    results = grader.grade([folder], SOLUTIONS, grader.Limits(cell_timeout=60), progress=False)
+    rows = {(r.learner, r.exercise): r for r in results}
+    full01, full09 = _full("ex01_memory_formulas"), _full("ex09_choose_strategy")
+    f01 = rows[("frank", "ex01_memory_formulas")]
+    assert (f01.status, f01.points, f01.max_points) == ("graded", full01, full01)
+    assert f01.path == str(copy_1) and f01.sha256 == hashlib.sha256(copy_1.read_bytes()).hexdigest()
+    assert sorted(n for n in f01.notes if n.startswith("also handed in")) == sorted(
+        f"also handed in: {p} (older than {copy_1}; only the newest is graded)" for p in (first, old))
+    f09 = rows[("frank", "ex09_choose_strategy")]
+    assert (f09.status, f09.points, f09.max_points) == ("unreadable", 0, full09)
+    g01 = rows[("gina", "ex01_memory_formulas")]
+    assert (g01.status, g01.points, g01.max_points) == ("refused", 0, full01)
+    assert "symbolic link" in g01.notes[0]
+    g09 = rows[("gina", "ex09_choose_strategy")]
+    assert (g09.status, g09.points, g09.max_points) == ("not submitted", 0, full09)
+    assert len([r for r in results if r.learner == "frank"]) == 2
+
+
+def test_without_bubblewrap_grade_refuses_in_one_line_unless_trusted(tmp_path, monkeypatch, capsys):
+    path = make_submission("ex09_choose_strategy", None, tmp_path / "me")
+    monkeypatch.setenv("PATH", str(tmp_path / "no-such-bin"))   # no bwrap to be found
+    assert grader.main([str(path), "--solutions", str(SOLUTIONS), "--quiet"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bubblewrap" in err[0] and "--trusted" in err[0], err
+
+
+def test_every_blocked_engine_piece_exists():
+    from zeroedu.grading import kernel
+
+    for path in sorted(SOLUTIONS.glob("*.ipynb")):
+        blocks = nbformat.read(path, as_version=4).metadata.get("zeroedu", {}).get("write_your_own", [])
+        assert kernel.apply_blocks([]) == []
+        missing = [b for b in blocks if not _exists(b)]
+        assert not missing, (path.name, missing)
+
+
+def _exists(target: str) -> bool:
+    import importlib
+
+    module, _, qualname = target.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def test_doctor_reports_the_sandbox(tmp_path, monkeypatch):
+    from zeroedu import doctor
+
+    assert doctor.check_sandbox((False, "bubblewrap (bwrap) is not installed")).status == doctor.WARN
+    assert "apt-get install bubblewrap" in doctor.check_sandbox((False, "x")).fix
+    assert doctor.check_sandbox((True, "bubblewrap works")).status == doctor.OK
+    real = doctor.check_sandbox()                      # this machine, for real
+    assert real.status == (doctor.OK if SANDBOX_OK else doctor.WARN)
+    monkeypatch.setenv("PATH", str(tmp_path))          # and where bwrap cannot be found
+    assert "not installed" in doctor.check_sandbox().detail
+
+
+@needs_sandbox
+@pytest.mark.timeout(400)
+def test_sandboxed_kernels_are_interrupted_and_killed_like_trusted_ones(tmp_path):
+    folder = tmp_path / "submissions"
+    make_submission("ex01_memory_formulas", "hostile/ex01_loops.cells", folder / "loops")
+    make_submission("ex01_memory_formulas", "gradebook/bob_hangs.cells", folder / "bob")
+    loops, bob = grader.grade([folder], SOLUTIONS, grader.Limits(cell_timeout=4), progress=False,
+                              options=_sandboxed([folder]), jobs=2)
+    assert loops.notes[0] == ("the answer cell 'ex01-bytes-per-element' failed: timed out after 4 s and was "
+                              "interrupted: an infinite loop, or ranks waiting for each other (a deadlock)"), \
+        loops.notes
+    assert bob.notes[0] == (
+        "the answer cell 'ex01-bytes-per-element' failed: ran past 4 s and ignored the interrupt: the kernel and "
+        "every process it started were killed, and a fresh kernel ran the cells after it"), bob.notes
+    for r in (loops, bob):   # the cells after the loop ran: model_state_bytes exists, its stage checks pass
+        assert {t.grade_id for t in r.tests if t.passed} >= {"ex01-hidden-errors"}, [(t.grade_id, t.message)
+                                                                                      for t in r.tests]

@@ -553,6 +553,17 @@ def check_nbval(version: str | None = None) -> Result:
                   data={"version": version})
 
 
+def check_sandbox(works: tuple[bool, str] | None = None) -> Result:
+    """bubblewrap, which `zeroedu grade` runs every submission in. Learners do not need it (a warning)."""
+    from zeroedu.grading import sandbox
+
+    ok, why = sandbox.check() if works is None else works
+    if ok:
+        return Result("sandbox", OK, f"{why}: zeroedu grade runs each submission in a sandbox", data={"ok": True})
+    return Result("sandbox", WARN, f"{why}: zeroedu grade refuses untrusted notebooks (learners are fine)",
+                  sandbox.INSTALL_HINT, {"ok": False})
+
+
 # -- running them ------------------------------------------------------------------------------------------------
 
 def run_checks(world_size: int = WORLD_SIZE, nvme_path: str | None = None) -> list[Result]:
@@ -565,7 +576,7 @@ def run_checks(world_size: int = WORLD_SIZE, nvme_path: str | None = None) -> li
                               "fix the rows above, then run zeroedu doctor again"))
     else:
         results.append(check_ranks(world_size))
-    results += [check_jupyterlab(), check_widgets(), check_nbval()]
+    results += [check_jupyterlab(), check_widgets(), check_nbval(), check_sandbox()]
     return results
 
 

@@ -12,6 +12,7 @@ the engine's own code.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 
 from zeroedu.fmt import approx
 from zeroedu.grading.ranks import not_implemented
+from zeroedu.grading.remote import in_kernel
 from zeroedu.grading.training import TOLERANCE, Case, TrainRun, assemble_full, dict_rel, train_on_ranks
 from zeroedu.stages import Stage0, Stage1, Stage2, Stage3
 
@@ -85,9 +87,11 @@ class HookedStage0(Stage0):
 
 
 def _hooks_engine(hooks_cls: type) -> Callable[[Case], type]:
-    def engine_for_rank(case: Case) -> type:
-        return type("Stage0WithYourHooks", (HookedStage0,), {"hooks_cls": hooks_cls})
-    return engine_for_rank
+    return functools.partial(_hooked, hooks_cls)
+
+
+def _hooked(hooks_cls: type, case: Case) -> type:
+    return type("Stage0WithYourHooks", (HookedStage0,), {"hooks_cls": hooks_cls})
 
 
 def _hook_events(engine: Any, case: Case) -> dict:
@@ -216,7 +220,7 @@ def _overlap_problem(events: list[tuple], buckets: list[list[int]], accum: int) 
 def run_bucket_hooks(hooks_cls: type, cases: list[Case]) -> BucketHooksRun:
     """Train stage 0 with the learner's bucket hooks; the reference is one process on the global batch."""
     what = getattr(hooks_cls, "__name__", "your hooks")
-    stub = first_stub(hooks_cls, {"__init__": ([], [], print), "before_backward": (True,),
+    stub = in_kernel(first_stub, hooks_cls, {"__init__": ([], [], print), "before_backward": (True,),
                                   "grad_ready": (torch.nn.Parameter(torch.zeros(1)),), "after_backward": ()})
     if stub is not None:
         return BucketHooksRun(what, cases, error=f"not implemented yet: {stub}")
@@ -228,10 +232,12 @@ def run_bucket_hooks(hooks_cls: type, cases: list[Case]) -> BucketHooksRun:
 
 def _learner_or(stage_cls: type, learner_cls: type, wrap: type | None = None) -> Callable[[Case], type]:
     """The learner's class (under `wrap`, if given) for cases of the learner, the engine's own otherwise."""
-    def engine_for_rank(case: Case) -> type:
-        cls = learner_cls if case.engine == "yours" else stage_cls
-        return type(cls.__name__, (wrap, cls), {}) if wrap is not None else cls
-    return engine_for_rank
+    return functools.partial(_pick_class, stage_cls, learner_cls, wrap)
+
+
+def _pick_class(stage_cls: type, learner_cls: type, wrap: type | None, case: Case) -> type:
+    cls = learner_cls if case.engine == "yours" else stage_cls
+    return type(cls.__name__, (wrap, cls), {}) if wrap is not None else cls
 
 
 class ShardedRun(TrainRun):
@@ -282,7 +288,7 @@ class ShardedRun(TrainRun):
 
 def run_stage1(cls: type, cases: list[Case]) -> ShardedRun:
     """Train the learner's Stage1 subclass; references: one process on the global batch, the ledger's bytes."""
-    stub = first_stub(cls, {"reduce_bucket": (None,), "optimizer_step": ([], 1.0), "publish": ()})
+    stub = in_kernel(first_stub, cls, {"reduce_bucket": (None,), "optimizer_step": ([], 1.0), "publish": ()})
     what = getattr(cls, "__name__", "your stage 1")
     if stub is not None:
         return ShardedRun(what, cases, error=f"not implemented yet: {stub}")
@@ -329,7 +335,7 @@ class Stage2Run(ShardedRun):
 
 def run_stage2(cls: type, cases: list[Case]) -> Stage2Run:
     """Train the learner's Stage2 subclass (cases with engine="zeroedu" train the engine's own Stage2)."""
-    stub = first_stub(cls, {"reduce_bucket": (None,)})
+    stub = in_kernel(first_stub, cls, {"reduce_bucket": (None,)})
     what = getattr(cls, "__name__", "your stage 2")
     if stub is not None and any(c.engine == "yours" for c in cases):
         return Stage2Run(what, cases, error=f"not implemented yet: {stub}")
@@ -499,7 +505,7 @@ def _gathers(row: dict, step: int) -> tuple[int, int]:
 
 def run_stage3(cls: type, cases: list[Case]) -> Stage3Run:
     """Train the learner's Stage3 subclass next to the engine's own stage 3 on the same cases."""
-    stub = first_stub(cls, {"fetch": (0,), "release": (0,)})
+    stub = in_kernel(first_stub, cls, {"fetch": (0,), "release": (0,)})
     what = getattr(cls, "__name__", "your stage 3")
     if stub is not None:
         return Stage3Run(what, cases, error=f"not implemented yet: {stub}")
@@ -549,18 +555,20 @@ def _patch_quantizer(quantize: Callable | None, dequantize: Callable | None) -> 
 
 
 def _qwz_engine(quantize: Callable, dequantize: Callable) -> Callable[[Case], type]:
-    def engine_for_rank(case: Case) -> type:
-        from zeroedu import zeropp
-        from zeroedu.config import load_config
-        from zeroedu.stages import engine_class
+    return functools.partial(_qwz_class, quantize, dequantize)
 
-        zeropp.WEIGHT_BITS, zeropp.WEIGHT_BLOCK = 8, QWZ_BLOCK   # read by the engine when it is built
-        if case.engine == "yours":
-            _patch_quantizer(quantize, dequantize)
-        else:
-            _patch_quantizer(None, None)
-        return engine_class(load_config(case.config(3)))
-    return engine_for_rank
+
+def _qwz_class(quantize: Callable, dequantize: Callable, case: Case) -> type:
+    from zeroedu import zeropp
+    from zeroedu.config import load_config
+    from zeroedu.stages import engine_class
+
+    zeropp.WEIGHT_BITS, zeropp.WEIGHT_BLOCK = 8, QWZ_BLOCK   # read by the engine when it is built
+    if case.engine == "yours":
+        _patch_quantizer(quantize, dequantize)
+    else:
+        _patch_quantizer(None, None)
+    return engine_class(load_config(case.config(3)))
 
 
 def _quant_calls(engine: Any, case: Case) -> dict:
@@ -629,7 +637,7 @@ def run_qwz(quantize: Callable, dequantize: Callable, cases: list[Case]) -> QwzR
     """Train stage 3 with qwZ on ranks, with your quantizer and with the engine's, next to an unquantized run."""
     what = getattr(quantize, "__name__", "your quantizer")
     for fn, args in ((quantize, (torch.ones(8), 4)), (dequantize, (torch.ones(8, dtype=torch.int8), torch.ones(2), 4))):
-        stub = not_implemented(fn, *args)
+        stub = in_kernel(not_implemented, fn, *args)
         if stub is not None:
             return QwzRun(what, cases, error=f"not implemented yet: {stub}")
     run = train_on_ranks(_qwz_engine(quantize, dequantize), cases, what=what, extra=_quant_calls)
@@ -641,52 +649,52 @@ def run_qwz(quantize: Callable, dequantize: Callable, cases: list[Case]) -> QwzR
 def _offload_engine(grad_to_host: Callable, host_step: Callable, params_to_device: Callable) -> Callable[[Case], type]:
     """The engine's offload class for the case, with the learner's three functions where OffloadMixin moves the
     gradient to the host (per bucket, in backward), steps Adam on the host, and writes the parameters back."""
+    return functools.partial(_offload_class, grad_to_host, host_step, params_to_device)
 
-    def engine_for_rank(case: Case) -> type:
-        from zeroedu.config import load_config
-        from zeroedu.stages import engine_class
 
-        base = engine_class(load_config(case.config(case.zero.get("stage", 2))))
-        if case.engine != "yours":
-            return base
+def _offload_class(grad_to_host: Callable, host_step: Callable, params_to_device: Callable, case: Case) -> type:
+    from zeroedu.config import load_config
+    from zeroedu.stages import engine_class
 
-        class YourOffload(base):
-            def _count(self, name: str) -> None:
-                calls = self.__dict__.setdefault("calls", {"grad_to_host": 0, "host_step": 0, "params_to_device": 0})
-                calls[name] += 1
+    base = engine_class(load_config(case.config(case.zero.get("stage", 2))))
+    if case.engine != "yours":
+        return base
 
-            def _grad_to_host(self, b, staging, phase, step):
-                self._count("grad_to_host")
-                out = self.layout.piece_of_shard(self.host_grads, b)
-                grad_to_host(out, staging, self.stage >= 2,
-                             lambda dst, src: self._copy(dst, src, "d2h", phase, step, sync=True))
+    class YourOffload(base):
+        def _count(self, name: str) -> None:
+            calls = self.__dict__.setdefault("calls", {"grad_to_host": 0, "host_step": 0, "params_to_device": 0})
+            calls[name] += 1
 
-            def optimizer_step(self, grads, coef):
-                self._count("host_step")
-                stepped = self.__dict__.setdefault("stepped", [])
-                step = self.optimizer.step
+        def _grad_to_host(self, b, staging, phase, step):
+            self._count("grad_to_host")
+            out = self.layout.piece_of_shard(self.host_grads, b)
+            grad_to_host(out, staging, self.stage >= 2,
+                         lambda dst, src: self._copy(dst, src, "d2h", phase, step, sync=True))
 
-                def recording_step(*args, **kwargs):   # what the optimizer sees: the learner's .grad
-                    stepped.append([m.grad.detach().clone() if m.grad is not None else None
-                                    for m in self.master_pieces])
-                    return step(*args, **kwargs)
+        def optimizer_step(self, grads, coef):
+            self._count("host_step")
+            stepped = self.__dict__.setdefault("stepped", [])
+            step = self.optimizer.step
 
-                self.optimizer.step = recording_step
-                try:
-                    host_step(grads, self.master_pieces, self.optimizer, coef)
-                finally:
-                    del self.optimizer.step
-                for b, master in zip(self.layout.buckets, self.master_pieces, strict=True):
-                    self._count("params_to_device")
-                    params_to_device(self._device_piece(b), master.detach(),
-                                     lambda dst, src: self._copy(dst, src, "h2d"))
-                self._written_back = True
+            def recording_step(*args, **kwargs):   # what the optimizer sees: the learner's .grad
+                stepped.append([m.grad.detach().clone() if m.grad is not None else None
+                                for m in self.master_pieces])
+                return step(*args, **kwargs)
 
-        base_name = base.__name__
-        YourOffload.__name__ = YourOffload.__qualname__ = f"{base_name}WithYourStep"
-        return YourOffload
+            self.optimizer.step = recording_step
+            try:
+                host_step(grads, self.master_pieces, self.optimizer, coef)
+            finally:
+                del self.optimizer.step
+            for b, master in zip(self.layout.buckets, self.master_pieces, strict=True):
+                self._count("params_to_device")
+                params_to_device(self._device_piece(b), master.detach(),
+                                 lambda dst, src: self._copy(dst, src, "h2d"))
+            self._written_back = True
 
-    return engine_for_rank
+    base_name = base.__name__
+    YourOffload.__name__ = YourOffload.__qualname__ = f"{base_name}WithYourStep"
+    return YourOffload
 
 
 def _offload_extra(engine: Any, case: Case) -> dict:
@@ -785,15 +793,19 @@ class OffloadRun(TrainRun):
                                                                          else "") + f". {fix.capitalize()}.")
 
 
+def _no_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """The copy function a stub probe is given: it must never get that far."""
+
+
 def run_offload(grad_to_host: Callable, host_step: Callable, params_to_device: Callable,
                 cases: list[Case]) -> OffloadRun:
     """Train with offload_optimizer "cpu" and the learner's three functions; reference: one process."""
     what = "your offload step"
-    probes = ((grad_to_host, (torch.zeros(2), torch.zeros(2), False, lambda d, s: None)),
+    probes = ((grad_to_host, (torch.zeros(2), torch.zeros(2), False, _no_copy)),
               (host_step, ([], [], None, 1.0)),
-              (params_to_device, (torch.zeros(2), torch.zeros(2), lambda d, s: None)))
+              (params_to_device, (torch.zeros(2), torch.zeros(2), _no_copy)))
     for fn, args in probes:
-        stub = not_implemented(fn, *args)
+        stub = in_kernel(not_implemented, fn, *args)
         if stub is not None:
             return OffloadRun(what, cases, error=f"not implemented yet: {stub}")
     run = train_on_ranks(_offload_engine(grad_to_host, host_step, params_to_device), cases, what=what,

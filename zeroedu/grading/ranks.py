@@ -23,7 +23,7 @@ from torch._C._distributed_c10d import ProcessGroup
 
 from zeroedu.launch import CollectiveMismatchError, LaunchError, RankError, RankHangError, launch
 
-__all__ = ["SendCounter", "launch_timeout", "not_implemented", "run_on_ranks"]
+__all__ = ["RING_HANG_HINT", "SendCounter", "launch_timeout", "not_implemented", "run_on_ranks"]
 
 _COLLECTIVES = ("allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
                 "allgather_into_tensor_coalesced", "all_gather_single", "reduce_scatter", "_reduce_scatter_base",
@@ -106,27 +106,41 @@ def _learner_line(text: str, innermost_first: bool = False) -> str:
     return f" in {m.group(3)}, line {m.group(2)} of its cell{code}"
 
 
+RING_HANG_HINT = ("In a ring every dist.isend needs the matching dist.irecv on the neighbour, with the same size; "
+                  "wait() on both before reusing buffers; and a blocking dist.recv before dist.send on every rank "
+                  "waits forever.")
+
+
 def run_on_ranks(job: Callable, world_size: int, args: tuple = (), what: str = "your code",
-                 timeout: float | None = None) -> list:
-    """launch(job, world_size, args) -> per-rank results; failures -> AssertionError in plain words."""
+                 timeout: float | None = None, hang_hint: str = "") -> list:
+    """launch(job, world_size, args) -> per-rank results; failures -> AssertionError in plain words: the whole
+    exception message (gloo's included) and the learner's line; for a hang, the rank that is not in the
+    collective the others wait in, and where it is."""
     timeout = timeout or launch_timeout()
     try:
         return launch(job, world_size=world_size, args=args, timeout=timeout, hang_timeout=timeout)
     except RankError as e:
-        first = str(e).splitlines()[0]
-        first = re.sub(r"^rank (\d+) of (\d+) raised ", r"on rank \1 of \2, " + what + " raised ", first)
-        raise AssertionError(first + _learner_line(e.traceback)) from None
+        head = str(e).split("\n\nTraceback from rank", 1)[0]
+        head = " ".join(line.strip() for line in head.splitlines() if line.strip())
+        head = re.sub(r"^rank (\d+) of (\d+) raised ", r"on rank \1 of \2, " + what + " raised ", head)
+        if len(head) > 1500:
+            head = head[:1500] + " [...]"
+        raise AssertionError(head + _learner_line(e.traceback)) from None
     except RankHangError as e:
         where = ""
-        for rank, stack in sorted(e.stacks.items()):
-            line = _learner_line(stack, innermost_first=True)  # faulthandler prints the newest call first
+        culprits = list(e.culprits)
+        for rank in culprits or sorted(e.stacks):
+            line = _learner_line(e.stacks.get(rank, ""), innermost_first=True)  # faulthandler: newest call first
+            status = e.statuses.get(rank, "")
+            if culprits:
+                where = f" Rank {rank} is not in the collective the other ranks wait in ({status})"
+                where += f"; it is{line}." if line else "."
+                break
             if line:
                 where = f" Rank {rank} was waiting{line}."
                 break
-        raise AssertionError(
-            f"{what} hung: the ranks did not finish within {timeout:g} s.{where} In a ring every dist.isend needs "
-            "the matching dist.irecv on the neighbour, with the same size; wait() on both before reusing buffers; "
-            "and a blocking dist.recv before dist.send on every rank waits forever.") from None
+        raise AssertionError(f"{what} hung: the ranks did not finish within {timeout:g} s.{where}"
+                             + (f" {hang_hint}" if hang_hint else "")) from None
     except CollectiveMismatchError as e:
         raise AssertionError(f"{what}: ranks called different collectives ({str(e).splitlines()[0]})") from None
     except LaunchError as e:

@@ -9,9 +9,10 @@ Conventions the learner's functions follow (the exercise notebook states them):
 - `ring_all_gather(shard, numel)` returns the full tensor of `numel` elements, shard r being this rank's chunk;
 - `ring_all_reduce(tensor)` returns the sum over ranks, built from the two above.
 
-Every rank builds integer-valued inputs from a seed, so sums are exact in any order. The reference is
-torch.distributed's own all_reduce / all_gather on the same inputs, computed in the same ranks before the
-learner's code runs. Bytes sent are counted with SendCounter around the learner's call only.
+Every rank builds integer-valued inputs from a seed, so sums are exact in any order. The reference is the sum
+(or concatenation) of every rank's input, computed where the checks run -- under `zeroedu grade`, in the
+grader's process, never in the ranks the learner's code shares. Bytes sent are counted with SendCounter around
+the learner's call only.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from zeroedu.grading.ranks import SendCounter, not_implemented, run_on_ranks
+from zeroedu.grading.ranks import RING_HANG_HINT, SendCounter, not_implemented, run_on_ranks
+from zeroedu.grading.remote import in_kernel
 
 __all__ = ["RingRun", "chunk_sizes", "run_all_gather", "run_all_reduce", "run_reduce_scatter"]
 
@@ -47,37 +48,51 @@ def _returned(x: Any) -> Any:
 
 
 def _job(rank: int, n: int, op: str, fn: Callable, cases: list[tuple[int, str]]) -> list[dict]:
+    """On each rank: the learner's function on this rank's input, what it returned and sent. No reference is
+    computed here: the learner's code shares these processes, so the grader builds the expected values itself."""
     rows = []
     for numel, dtype_name in cases:
         dtype = getattr(torch, dtype_name)
         seed = 1000 * numel + 17
         if op == "all_gather":
             shard = _values(seed, numel, dtype).tensor_split(n)[rank].clone()
-            # torch's all_gather wants equal sizes: pad every shard to the largest, gather, cut the padding.
-            biggest = chunk_sizes(numel, n)[0]
-            padded = [torch.zeros(biggest, dtype=dtype) for _ in range(n)]
-            mine = torch.zeros(biggest, dtype=dtype)
-            mine[:shard.numel()] = shard
-            dist.all_gather(padded, mine)
-            want = torch.cat([p[:k] for p, k in zip(padded, chunk_sizes(numel, n), strict=True)])
             with SendCounter() as c:
-                got = fn(shard.clone(), numel)
-            rows.append(dict(numel=numel, dtype=dtype_name, average=False, got=_returned(got), want=want,
-                             own=shard, total=want, sent=c.sent, collectives=c.collectives))
+                got = fn(shard, numel)
+            rows.append(dict(numel=numel, dtype=dtype_name, average=False, got=_returned(got), sent=c.sent,
+                             collectives=c.collectives))
             continue
         x = _values(seed + rank, numel, dtype)
-        total = x.clone()
-        dist.all_reduce(total)  # torch's own sum over ranks: the reference
         for average in ((False, True) if op == "reduce_scatter" else (False,)):
             with SendCounter() as c:
                 got = fn(x.clone(), average=average) if op == "reduce_scatter" else fn(x.clone())
-            want = total.tensor_split(n)[rank] if op == "reduce_scatter" else total
-            if average:
-                want = want / n
-            rows.append(dict(numel=numel, dtype=dtype_name, average=average, got=_returned(got), want=want,
-                             own=x.tensor_split(n)[rank].clone(), total=total, sent=c.sent,
+            rows.append(dict(numel=numel, dtype=dtype_name, average=average, got=_returned(got), sent=c.sent,
                              collectives=c.collectives))
     return rows
+
+
+def _expected(op: str, n: int, rank: int, row: dict) -> dict:
+    """What rank `rank` should have returned for `row`, built from the seeded inputs of every rank (exact: the
+    inputs are small integers, so any order of summation gives the same floats)."""
+    numel, dtype = row["numel"], getattr(torch, row["dtype"])
+    seed = 1000 * numel + 17
+    if op == "all_gather":
+        full = _values(seed, numel, dtype)
+        return dict(want=full, own=full.tensor_split(n)[rank].clone(), total=full)
+    inputs = [_values(seed + r, numel, dtype) for r in range(n)]
+    total = torch.stack(inputs).sum(dim=0)
+    want = total.tensor_split(n)[rank].clone() if op == "reduce_scatter" else total
+    if row["average"]:
+        want = want / n
+    return dict(want=want, own=inputs[rank].tensor_split(n)[rank].clone(), total=total)
+
+
+def _collect(op: str, fn: Callable, cases: list[tuple[int, str]], world_size: int) -> dict:
+    """In the kernel: the per-rank rows, or the launch's failure in plain words."""
+    try:
+        return {"rows": run_on_ranks(_job, world_size, args=(op, fn, cases), what=getattr(fn, "__name__", op),
+                                     hang_hint=RING_HANG_HINT)}
+    except AssertionError as e:
+        return {"error": str(e)}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -208,11 +223,20 @@ class RingRun:
             slack = factor * max(chunk_sizes(numel, n)) * elem if numel % n else 0
             if abs(sent - theory) > slack:
                 per = "S/N, one chunk," if sent > theory else "one chunk (S/N)"
+                chunks = sent / (total_bytes / n)
+                if sent <= theory:
+                    why = "Some chunk did not travel around the whole ring."
+                elif abs(sent - factor * (n - 1) * total_bytes) <= slack:
+                    why = "That is the whole tensor at every step: send one chunk per step."
+                elif abs(chunks - round(chunks)) < 1e-6 and round(chunks) > factor * (n - 1):
+                    extra = round(chunks) - factor * (n - 1)
+                    why = (f"That is {extra} chunk(s) more than the ring's {factor * (n - 1)}: count the steps, a "
+                           f"ring of N ranks takes N-1 = {n - 1}" + (" per phase." if factor == 2 else "."))
+                else:
+                    why = "Send exactly one chunk per step."
                 raise AssertionError(
                     f"rank {rank} sent {sent} bytes for a {total_bytes}-byte tensor on {n} ranks; a ring sends "
-                    f"{factor}·(N-1)/N·S = {theory:g} bytes: {factor * (n - 1)} step(s) of {per} each. "
-                    + ("Sending the whole tensor at each step costs N times more." if sent > theory else
-                       "Some chunk did not travel around the whole ring."))
+                    f"{factor}·(N-1)/N·S = {theory:g} bytes: {factor * (n - 1)} step(s) of {per} each. {why}")
         for (numel, dtype), sent in by_case.items():
             total = factor * (n - 1) * numel * getattr(torch, dtype).itemsize
             if sum(sent) != total:
@@ -241,15 +265,17 @@ class RingRun:
 def _run(op: str, fn: Callable, probe_args: tuple, sizes: list[int], world_size: int, dtype: torch.dtype) -> RingRun:
     name = getattr(fn, "__name__", op)
     run = RingRun(op, name, world_size)
-    stub = not_implemented(fn, *probe_args)
+    stub = in_kernel(not_implemented, fn, *probe_args)
     if stub is not None:
         run.error = f"not implemented yet: {stub}"
         return run
     cases = [(int(s), str(dtype).removeprefix("torch.")) for s in sizes]
-    try:
-        run.rows = run_on_ranks(_job, world_size, args=(op, fn, cases), what=name)
-    except AssertionError as e:
-        run.error = str(e)
+    out = in_kernel(_collect, op, fn, cases, world_size)
+    if "error" in out:
+        run.error = str(out["error"])
+        return run
+    run.rows = [[{**row, **_expected(op, world_size, rank, row)} for row in rows]
+                for rank, rows in enumerate(out["rows"])]
     return run
 
 

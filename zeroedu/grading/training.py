@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from zeroedu.config import load_config
 from zeroedu.fmt import approx
 from zeroedu.grading.ranks import run_on_ranks
+from zeroedu.grading.remote import in_kernel
 from zeroedu.models import MLP, Quirky, TinyGPT, TinyGPTConfig, gpt_batch, mlp_batch, quirky_batch, shard_batch
 
 __all__ = ["Case", "Quirky", "TrainRun", "make_batch", "make_model", "reference", "train_on_ranks"]
@@ -408,11 +409,9 @@ def _scale_of(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: 
     return c if resid < max(1e-3, tol) * max(1.0, abs(c)) else None
 
 
-def train_on_ranks(engine_for_rank: Callable[[Case], type], cases: list[Case], what: str = "your code",
-                   extra: Callable | None = None, ref: bool = True) -> TrainRun:
-    """Train every case with the class engine_for_rank(case) returns, one launch per world size; reference
-    runs in this process. extra(engine, case) -> dict adds exercise-specific measurements to each rank's row."""
-    run = TrainRun(what, list(cases))
+def _collect(cases: list[Case], engine_for_rank: Callable, extra: Callable | None, what: str) -> dict:
+    """In the kernel: every case trained on its ranks, one launch per world size; {"rows": [case][rank]} or the
+    failure in plain words. No reference here: that is computed where the checks run."""
     rows: dict[int, list] = {}
     try:
         for n in sorted({c.world_size for c in cases}):
@@ -421,8 +420,21 @@ def train_on_ranks(engine_for_rank: Callable[[Case], type], cases: list[Case], w
             for k, i in enumerate(mine):
                 rows[i] = [per_rank[r][k] for r in range(n)]
     except AssertionError as e:
-        run.error = str(e)
+        return {"error": str(e)}
+    return {"rows": [rows[i] for i in range(len(cases))]}
+
+
+def train_on_ranks(engine_for_rank: Callable[[Case], type], cases: list[Case], what: str = "your code",
+                   extra: Callable | None = None, ref: bool = True) -> TrainRun:
+    """Train every case with the class engine_for_rank(case) returns, one launch per world size, next to the
+    learner's code (in_kernel); the reference runs where this is called. extra(engine, case) -> dict adds
+    exercise-specific measurements to each rank's row. Under the grader, engine_for_rank and extra must pickle
+    (module-level functions, functools.partial of them)."""
+    run = TrainRun(what, list(cases))
+    out = in_kernel(_collect, list(cases), engine_for_rank, extra, what)
+    if "error" in out:
+        run.error = str(out["error"])
         return run
-    run.ranks = [rows[i] for i in range(len(cases))]
+    run.ranks = out["rows"]
     run.refs = [reference(c) if ref else {} for c in cases]
     return run

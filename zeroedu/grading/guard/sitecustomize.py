@@ -2,101 +2,106 @@
 
 The grader puts this folder first on PYTHONPATH, so Python imports this file at start-up (the `site` module
 imports `sitecustomize`): the notebook kernel, multiprocessing's forkserver and the ranks forked from it all
-get the hook before any learner code runs.
+run it before any learner code.
 
-The hook (sys.addaudithook) refuses to delete, rename over, truncate or overwrite a file outside the
-notebook's working directory, raises PermissionError with the reason, and appends one JSON line per refusal to
-the grader's log. It guards against accidents (a cleanup with the wrong path), not against an adversary: audit
-hooks do not see ctypes calls, subprocesses of other programs (rm), or writes through a file descriptor opened
-elsewhere. Use a container or a throwaway VM to grade code you do not trust.
+It does two things:
+1. The engine pieces the exercise asks the learner to write raise "write your own" when learner code reaches
+   them (zeroedu.grading.kernel.apply_blocks, from the grader's read-only settings file).
+2. An audit hook (sys.addaudithook) refuses to delete, rename over, truncate or open for writing a file outside
+   the notebook's working directory, with a PermissionError that says why. Each refusal is written as one line
+   to a copy of the stderr that the grader gave the kernel: a pipe, read by the grader outside the sandbox, so
+   learner code cannot erase what was written. Inside bubblewrap the operating system refuses those writes
+   anyway (read-only mounts); the hook makes the message clear. Without the sandbox (`zeroedu grade --trusted`)
+   it guards against accidents only: ctypes and other programs are not audited.
 """
 
 import json
 import os
 import sys
 
-_ROOT = os.environ.get("ZEROEDU_GRADE_ROOT")
-_LOG = os.environ.get("ZEROEDU_GRADE_LOG")
-_ALLOWED = ("/dev/", "/proc/self/")  # /dev/null, /dev/shm semaphores, our own fds
+MARK = "zeroedu-grade-refused "
 
 
-def _absolute(path, dir_fd=None):
-    path = os.fsdecode(path)
-    if not os.path.isabs(path):
-        base = os.getcwd()
-        if dir_fd is not None:
+def _install():
+    root = os.environ.get("ZEROEDU_GRADE_ROOT")
+    if not root:
+        return
+    try:
+        from zeroedu.grading import kernel
+
+        kernel.apply_blocks()
+    except Exception as e:  # never stop the interpreter from starting; the grader sees the message
+        sys.stderr.write(f"zeroedu grade: could not apply the exercise's blocks: {type(e).__name__}: {e}\n")
+    try:
+        log_fd = os.dup(2)   # stays open in forked ranks, which point their own fd 2 at files
+    except OSError:
+        log_fd = -1
+    real_root = os.path.realpath(root)
+    allowed = ("/dev/", "/proc/self/")  # /dev/null, /dev/shm semaphores, our own fds
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
+
+    def absolute(path, dir_fd=None):
+        path = os.fsdecode(path)
+        if not os.path.isabs(path):
+            base = os.getcwd()
+            if dir_fd is not None:
+                try:
+                    base = os.readlink(f"/proc/self/fd/{dir_fd}")
+                except OSError:
+                    pass
+            path = os.path.join(base, path)
+        # Resolve the folder, not the file: removing a symlink that points outside only removes the link.
+        head, tail = os.path.split(os.path.normpath(path))
+        return os.path.join(os.path.realpath(head), tail)
+
+    def outside(path, dir_fd=None, follow=False):
+        if isinstance(path, int) or path is None:
+            return None
+        try:
+            full = absolute(path, dir_fd)
+            if follow:
+                full = os.path.realpath(full)  # writing through a link writes its target
+        except (TypeError, ValueError, OSError):
+            return None
+        if full == real_root or full.startswith(real_root + os.sep) or full.startswith(allowed):
+            return None
+        return full
+
+    def refuse(what, path):
+        if log_fd >= 0:
             try:
-                base = os.readlink(f"/proc/self/fd/{dir_fd}")
+                os.write(log_fd, (MARK + json.dumps({"op": what, "path": path, "pid": os.getpid()}) + "\n").encode())
             except OSError:
                 pass
-        path = os.path.join(base, path)
-    # Resolve the folder, not the file: removing a symlink that points outside only removes the link.
-    head, tail = os.path.split(os.path.normpath(path))
-    return os.path.join(os.path.realpath(head), tail)
+        raise PermissionError(f"zeroedu grader: refused to {what} {path}: it is outside this notebook's working "
+                              f"directory {root}. Graded code may only change files under its own folder.")
+
+    def hook(event, args):
+        if event in ("os.remove", "os.rmdir", "shutil.rmtree"):
+            full = outside(args[0], args[1] if len(args) > 1 else None)
+            if full:
+                refuse("delete", full)
+        elif event == "os.rename":  # os.rename and os.replace: the source goes away, the target is overwritten
+            src, dst = args[0], args[1]
+            for path, fd, what in ((src, args[2] if len(args) > 2 else None, "move away"),
+                                   (dst, args[3] if len(args) > 3 else None, "replace")):
+                full = outside(path, fd)
+                if full and (what == "move away" or os.path.lexists(full)):
+                    refuse(what, full)
+        elif event == "os.truncate":
+            full = outside(args[0], follow=True)
+            if full:
+                refuse("truncate", full)
+        elif event == "open" and len(args) >= 3:
+            path, mode, flags = args[0], args[1], args[2]
+            writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool((flags or 0) & write_flags)
+            if writes:
+                full = outside(path, follow=True)
+                if full and os.path.lexists(full):
+                    refuse("write to", full)
+
+    sys.addaudithook(hook)
 
 
-def _outside(path, dir_fd=None):
-    if isinstance(path, int) or path is None:
-        return None
-    try:
-        full = _absolute(path, dir_fd)
-    except (TypeError, ValueError, OSError):
-        return None
-    root = os.path.realpath(_ROOT)
-    if full == root or full.startswith(root + os.sep) or full.startswith(_ALLOWED):
-        return None
-    return full
-
-
-_busy = False
-
-
-def _refuse(what, path):
-    global _busy
-    if _LOG:
-        _busy = True  # our own write to the log raises an "open" event too
-        try:
-            line = json.dumps({"op": what, "path": path, "pid": os.getpid()}) + "\n"
-            fd = os.open(_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                os.write(fd, line.encode())
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
-        finally:
-            _busy = False
-    raise PermissionError(f"zeroedu grader: refused to {what} {path}: it is outside this notebook's working "
-                          f"directory {_ROOT}. Graded code may only change files under its own folder.")
-
-
-def _hook(event, args):
-    if _busy:
-        return
-    if event in ("os.remove", "os.rmdir", "shutil.rmtree"):
-        full = _outside(args[0], args[1] if len(args) > 1 else None)
-        if full:
-            _refuse("delete", full)
-    elif event == "os.rename":  # os.rename and os.replace: the source goes away, the target is overwritten
-        src, dst = args[0], args[1]
-        src_fd = args[2] if len(args) > 2 else None
-        dst_fd = args[3] if len(args) > 3 else None
-        for path, fd, what in ((src, src_fd, "move away"), (dst, dst_fd, "replace")):
-            full = _outside(path, fd)
-            if full and (what == "move away" or os.path.lexists(full)):
-                _refuse(what, full)
-    elif event == "os.truncate":
-        full = _outside(args[0])
-        if full:
-            _refuse("truncate", full)
-    elif event == "open" and len(args) >= 3:
-        path, mode, flags = args[0], args[1], args[2]
-        truncates = ("w" in mode) if isinstance(mode, str) else bool((flags or 0) & os.O_TRUNC)
-        if truncates:
-            full = _outside(path)
-            if full and os.path.exists(full):
-                _refuse("overwrite", full)
-
-
-if _ROOT:
-    sys.addaudithook(_hook)
+_install()
+del _install

@@ -1,0 +1,247 @@
+"""The kernel side of `zeroedu grade`: what runs inside the sandbox, next to the learner's code.
+
+The grader never runs a test in the learner's kernel. It runs the learner's cells there, then asks for values:
+"call your `model_state_bytes` with these arguments", "train your `MyStage1` on these cases and hand back what
+every rank measured". While the grader runs one test cell, `serve(token)` runs in the kernel and answers its
+requests through two named pipes in the work folder: each request is pickled by the grader, each answer is
+plain data only (tensors, numbers, strings, lists, dicts) that the grader loads with
+`torch.load(weights_only=True)` and judges in its own process.
+
+`apply_blocks()` replaces the engine pieces an exercise asks the learner to write (a stage's `reduce_bucket`,
+`zeropp.quantize`, ...) by versions that raise "write your own" whenever learner code is involved: an engine
+whose class has a learner class in its MRO (so `class MyStage1(Stage1): pass` and a bare `super()` call fail),
+or a call made from a learner's frame (so wrapping `zeropp.quantize` fails). The engine's own runs, which the
+checks compare against, are untouched. The grader lists the pieces in a read-only file inside the sandbox;
+sitecustomize (guard/) applies them in every Python process there, the ranks' forkserver included.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import importlib
+import json
+import os
+import pickle
+import sys
+import sysconfig
+import traceback
+from typing import Any
+
+CONFIG_PATH = "/run/zeroedu-grade/config.json"   # bound read-only into the sandbox by the grader
+EXCHANGE = ".zeroedu-exchange"                   # in the work folder: requests and answers
+MAX_MESSAGE = 2000                               # characters of an exception message sent back
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_NOT_LEARNER = tuple(p for p in {_PKG, sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
+                                 sysconfig.get_paths()["platlib"], os.path.dirname(os.__file__)} if p)
+
+
+def config() -> dict:
+    """The grader's settings for this sandbox: {"blocks": [...]} ({} when not grading)."""
+    for path in (CONFIG_PATH, os.environ.get("ZEROEDU_GRADE_CONFIG", "")):
+        if path and os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    return json.load(f)
+            except (OSError, ValueError):
+                return {}
+    return {}
+
+
+# -- who is calling --------------------------------------------------------------------------------------------
+
+def _is_learner_file(filename: str) -> bool:
+    return not filename.startswith(_NOT_LEARNER) and not filename.startswith("<frozen") and "site-packages" \
+        not in filename and "/lib/python3" not in filename
+
+
+def learner_on_stack() -> bool:
+    """Is a frame of learner code (a notebook cell, exec'd text) between here and the grader's request?"""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is answer.__code__:
+            return False
+        if _is_learner_file(frame.f_code.co_filename):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def learner_class(obj: Any) -> str | None:
+    """The name of the first class in obj's type's MRO that is not zeroedu's (or the standard library's)."""
+    for cls in type(obj).__mro__:
+        module = getattr(cls, "__module__", "") or ""
+        if not module.startswith("zeroedu") and module not in ("builtins", "abc", "typing"):
+            return cls.__qualname__
+    return None
+
+
+# -- what the learner must write ---------------------------------------------------------------------------------
+
+class WriteYourOwn(NotImplementedError):
+    """Raised by an engine piece that the exercise asks the learner to write."""
+
+
+def _message(target: str, who: str) -> str:
+    return (f"{target} is the part this exercise asks you to write; while grading, zeroedu's own raises this "
+            f"error when {who} reaches it. Write the body yourself (no super() call, no call to zeroedu's "
+            "version).")
+
+
+def _block_method(cls: type, name: str, label: str) -> None:
+    original = getattr(cls, name)
+    if getattr(original, "_zeroedu_blocked", False):
+        return
+
+    @functools.wraps(original)
+    def blocked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        who = learner_class(self)
+        if who is not None:
+            raise WriteYourOwn(_message(label, f"your class {who}"))
+        if learner_on_stack():
+            raise WriteYourOwn(_message(label, "your code"))
+        return original(self, *args, **kwargs)
+
+    blocked._zeroedu_blocked = True  # type: ignore[attr-defined]
+    setattr(cls, name, blocked)
+
+
+def _block_function(module: Any, name: str, label: str) -> None:
+    original = getattr(module, name)
+    if getattr(original, "_zeroedu_blocked", False):
+        return
+
+    @functools.wraps(original)
+    def blocked(*args: Any, **kwargs: Any) -> Any:
+        if learner_on_stack():
+            raise WriteYourOwn(_message(label, "your code"))
+        return original(*args, **kwargs)
+
+    blocked._zeroedu_blocked = True  # type: ignore[attr-defined]
+    setattr(module, name, blocked)
+
+
+def apply_blocks(targets: list[str] | None = None) -> list[str]:
+    """Block each "module:Name" or "module:Class.method"; return the ones that do not exist (a stale list)."""
+    missing = []
+    for target in config().get("blocks", []) if targets is None else targets:
+        module_name, _, qualname = target.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+            owner: Any = module
+            parts = qualname.split(".")
+            for part in parts[:-1]:
+                owner = getattr(owner, part)
+            getattr(owner, parts[-1])
+        except (ImportError, AttributeError):
+            missing.append(target)
+            continue
+        label = qualname if len(parts) > 1 else f"{module_name.rsplit('.', 1)[-1]}.{qualname}"
+        if isinstance(owner, type):
+            _block_method(owner, parts[-1], label)
+        else:
+            _block_function(owner, parts[-1], label)
+    return missing
+
+
+# -- answering the grader ----------------------------------------------------------------------------------------
+
+def _namespace() -> dict:
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is not None:
+            return shell.user_ns
+    except ImportError:
+        pass
+    return sys.modules["__main__"].__dict__
+
+
+def user(path: str) -> Any:
+    """The learner's object called `path` ("name" or "name.attr"); NameError as Python says it."""
+    name, *attrs = path.split(".")
+    ns = _namespace()
+    if name not in ns:
+        raise NameError(f"name {name!r} is not defined")
+    obj = ns[name]
+    for attr in attrs:
+        obj = getattr(obj, attr)
+    return obj
+
+
+def plain(x: Any, depth: int = 0) -> Any:
+    """x as data the grader can load with weights_only=True: anything else becomes {"__object__": type name}."""
+    import torch
+
+    if depth > 20:
+        return {"__object__": "a structure nested too deep"}
+    if x is None or isinstance(x, bool | int | float | str | bytes | torch.dtype):
+        return x
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().clone()
+    if isinstance(x, torch.Size):
+        return tuple(int(v) for v in x)
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return {"__namedtuple__": type(x).__name__, "fields": [str(f) for f in x._fields],
+                "values": [plain(v, depth + 1) for v in x]}
+    if isinstance(x, list | tuple):
+        items = [plain(v, depth + 1) for v in x]
+        return items if isinstance(x, list) else tuple(items)
+    if isinstance(x, dict):
+        return {plain(k, depth + 1) if isinstance(k, int | float | str | bool | tuple) or k is None
+                else repr(k)[:100]: plain(v, depth + 1) for k, v in x.items()}
+    return {"__object__": type(x).__name__}
+
+
+def _error(e: BaseException) -> dict:
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if _is_learner_file(f.filename)]
+    where = ""
+    if frames:
+        f = frames[-1]
+        where = f" in {f.name}, line {f.lineno} of its cell" + (f": {f.line.strip()[:200]}" if f.line else "")
+    return {"type": type(e).__name__, "builtin": getattr(builtins, type(e).__name__, None) is type(e),
+            "message": str(e)[:MAX_MESSAGE], "where": where}
+
+
+def answer(request: dict) -> dict:
+    """Call what the grader's request names; {"value": plain data} or {"error": what was raised}."""
+    try:
+        fn = request["fn"]
+        if isinstance(fn, str):
+            fn = user(fn)
+        return {"value": plain(fn(*request["args"], **request["kwargs"]))}
+    except BaseException as e:  # noqa: BLE001 -- KeyboardInterrupt too: the grader's time limit interrupted it
+        return {"error": _error(e)}
+
+
+def serve(token: str) -> None:
+    """Answer the grader's requests for one test cell, until it says it is done (a zero-length request).
+
+    Requests come through the named pipe `<token>.in` in the work folder (8-byte length, then a pickle written
+    by the grader: names of learner objects resolve here, see `user`), answers go back through `<token>.out`
+    (8-byte length, then torch.save of plain data). An interrupt (the test's time limit) ends the loop."""
+    import io
+
+    import torch
+
+    folder = os.path.join(os.getcwd(), EXCHANGE)
+    with open(os.path.join(folder, f"{token}.in"), "rb") as requests, \
+            open(os.path.join(folder, f"{token}.out"), "wb") as answers:
+        while True:
+            head = requests.read(8)
+            size = int.from_bytes(head, "big") if len(head) == 8 else 0
+            if size == 0:
+                return
+            data = requests.read(size)
+            try:
+                result = answer(pickle.loads(data))
+            except BaseException as e:  # noqa: BLE001 -- a name that does not resolve, an interrupt
+                result = {"error": _error(e)}
+            buffer = io.BytesIO()
+            torch.save(result, buffer)
+            out = buffer.getvalue()
+            answers.write(len(out).to_bytes(8, "big") + out)
+            answers.flush()
+            if result.get("error", {}).get("type") == "KeyboardInterrupt":
+                return
