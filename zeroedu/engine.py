@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_map
 
 from zeroedu.comm import Comm, LedgerEntry
 from zeroedu.config import Config, load_config
-from zeroedu.memory import MODEL_STATES, PeakTracker, resident
+from zeroedu.memory import MODEL_STATES, PeakTracker, SavedActivations, resident
 from zeroedu.precision import LossScaler, compute_dtype
 
 
@@ -85,6 +85,7 @@ class Engine:
         self.scaler = LossScaler.from_config(config.fp16)
         self.timeline: list[tuple[str, float, float]] = []   # (phase, start, end) in time.time()
         self.last_peak: PeakTracker | None = None
+        self.last_activations: SavedActivations | None = None   # what the last tracked forward saved for backward
         self._tracker: PeakTracker | None = None
         self._handles: list = []
 
@@ -151,7 +152,17 @@ class Engine:
         if self.device.type != "cpu":   # inputs follow the model to its GPU, as DDP's do
             args, kwargs = self.to_device((args, kwargs))
         with self._phase("forward"):
-            return self.module(*args, **kwargs)
+            if self._tracker is None:
+                return self.module(*args, **kwargs)
+            with self.saved_activations() as meter:
+                out = self.module(*args, **kwargs)
+            self.last_activations = meter
+            return out
+
+    def saved_activations(self) -> SavedActivations:
+        """A meter of the bytes autograd saves for backward (by module), the engine's own tensors left out."""
+        owned = [t for ts in self.owned().values() for t in ts]
+        return SavedActivations(self.module, [*owned, *self.module.parameters(), *self.module.buffers()])
 
     def to_device(self, data):
         """Every tensor in `data` (nested lists, tuples, dicts) moved to the engine's device."""
@@ -249,8 +260,12 @@ class Engine:
         tracker = PeakTracker(self.owned, lambda: self.comm.phase)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        with tracker:
-            yield tracker
+        self._tracker = tracker
+        try:
+            with tracker:
+                yield tracker
+        finally:
+            self._tracker = None
         self.last_peak = tracker
 
     def tier_bytes(self) -> dict[str, dict[str, int]]:
@@ -268,6 +283,9 @@ class Engine:
             "peak_total": self.last_peak.peak_total if self.last_peak else None,
             "peak_phase": self.last_peak.peak_phase if self.last_peak else None,
             "device": self.device.type,
+            # Bytes the last tracked forward saved for backward, in all and by module name (zeroedu.memory).
+            "activations": self.last_activations.total if self.last_activations else None,
+            "activations_by_module": dict(self.last_activations.by_module) if self.last_activations else None,
         }
         if self.device.type == "cuda":   # the allocator's own figures, next to the tensor-by-tensor ones
             report["cuda_allocated"] = torch.cuda.memory_allocated(self.device)

@@ -123,3 +123,61 @@ class PeakTracker(TorchDispatchMode):
         sizes = self._sizes()
         return sum(sizes.get(v[2], v[0]) for v in self.live.values())
 
+
+
+class SavedActivations:
+    """Bytes autograd saves for backward while it is active: the "activations" of the memory categories.
+
+    A saved-tensor hook sees every tensor an operator keeps for its backward (a Linear's input, a softmax's
+    output, a LayerNorm's mean and rstd ...). Each storage counts once, with its bytes when first saved, and
+    goes to the innermost module of `root` that was running (by name, "" for the root itself); storages in
+    `exclude` (parameters, the engine's buffers) are not activations. The hook hands autograd a detached alias
+    of the tensor (same storage): returning the tensor itself would make a reference cycle through its grad_fn
+    that keeps it alive after backward.
+    """
+
+    def __init__(self, root: torch.nn.Module | None = None, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self.names = {m: n for n, m in root.named_modules()} if root is not None else {}
+        self.exclude = {t.untyped_storage()._cdata for t in exclude if isinstance(t, torch.Tensor)}
+        self.by_module: dict[str, int] = defaultdict(int)
+        self._seen: set[int] = set()
+        self._stack: list[str] = [""]
+        self._handles: list = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_module.values())
+
+    def under(self, prefix: str) -> int:
+        """Bytes saved inside the module called `prefix` (e.g. "blocks.0") and its submodules."""
+        return sum(v for k, v in self.by_module.items() if k == prefix or k.startswith(prefix + "."))
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in self._seen and key not in self.exclude:
+            self._seen.add(key)
+            self.by_module[self._stack[-1]] += st.nbytes()
+        return t.detach()
+
+    def _enter_module(self, m: torch.nn.Module, args) -> None:
+        self._stack.append(self.names.get(m, self._stack[-1]))
+
+    def _leave_module(self, m: torch.nn.Module, args, out) -> None:
+        if len(self._stack) > 1:
+            self._stack.pop()
+
+    def __enter__(self) -> SavedActivations:
+        if self.names:
+            self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(self._enter_module),
+                             torch.nn.modules.module.register_module_forward_hook(self._leave_module,
+                                                                                  always_call=True)]
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -25,12 +25,16 @@ class TinyGPTConfig:
     d_model: int = 64
     n_layer: int = 2
     n_head: int = 4
+    # True: torch's scaled_dot_product_attention (a fused, flash-style kernel that keeps no s x s scores for
+    # backward) instead of the explicit softmax(q k^T) v. Same function, other activation memory (notebook 11).
+    fused_attention: bool = False
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: TinyGPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.fused = cfg.fused_attention
         # No bias: a key bias gets a gradient that is exactly zero in theory (softmax ignores a shift),
         # i.e. pure rounding noise that Adam would blow up into full-size steps.
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
@@ -42,6 +46,8 @@ class Attention(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        if self.fused:
+            return self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.n_head)
         att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(dim=-1)
         return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))

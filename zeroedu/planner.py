@@ -182,12 +182,11 @@ def activation_bytes(spec: ModelSpec, seq_len: int, micro_batch: int, precision:
     """
     if not spec.has_architecture:
         return 0
-    s, b, h, a, L = seq_len, micro_batch, spec.hidden, spec.heads, spec.layers
-    layer = 34 * s * b * h + (0 if flash_attention else 5 * a * s * s * b)
-    kept = L * 2 * s * b * h + layer if recompute else L * layer
+    kept = theory.activation_bytes(seq_len, micro_batch, spec.hidden, spec.heads, spec.layers,
+                                   "full" if recompute else "none", flash_attention)
     if theory.param_bytes(precision) == 4:
         kept *= 2
-    return kept + 4 * s * b * (spec.vocab or 0)
+    return kept + 4 * seq_len * micro_batch * (spec.vocab or 0)
 
 
 # -- the plan -----------------------------------------------------------------------------------------------
