@@ -102,6 +102,11 @@ class Engine:
                 self.comm.broadcast(t.data, 0, kind="params" if t.is_floating_point() else "other")
         self.setup()
         self.optimizer = make_optimizer(config, self.master_pieces)
+        if config.activation_checkpointing != type(config.activation_checkpointing)():
+            # The section configures checkpoint(), process-wide, as in DeepSpeed.
+            from zeroedu import checkpointing
+
+            checkpointing.configure(config, ledger=self.comm.ledger)
 
     # -- what a stage provides ---------------------------------------------------------------------------
     master_pieces: list[torch.nn.Parameter]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -133,14 +134,19 @@ class SavedActivations:
     goes to the innermost module of `root` that was running (by name, "" for the root itself); storages in
     `exclude` (parameters, the engine's buffers) are not activations. The hook hands autograd a detached alias
     of the tensor (same storage): returning the tensor itself would make a reference cycle through its grad_fn
-    that keeps it alive after backward.
+    that keeps it alive after backward. Storages the engine makes while the meter runs are not excluded: pass
+    `exclude` what is parameters and buffers for good.
     """
 
     def __init__(self, root: torch.nn.Module | None = None, exclude: Iterable[torch.Tensor] = ()) -> None:
         self.names = {m: n for n, m in root.named_modules()} if root is not None else {}
-        self.exclude = {t.untyped_storage()._cdata for t in exclude if isinstance(t, torch.Tensor)}
+        # Storages are known by address; a weak reference to each keeps its address from being reused by a new
+        # storage while the meter runs (stage 3 frees and makes parameter storages mid-forward), without
+        # keeping its bytes alive.
+        self.exclude = {t.untyped_storage()._cdata: StorageWeakRef(t.untyped_storage())
+                        for t in exclude if isinstance(t, torch.Tensor)}
         self.by_module: dict[str, int] = defaultdict(int)
-        self._seen: set[int] = set()
+        self._seen: dict[int, StorageWeakRef] = {}
         self._stack: list[str] = [""]
         self._handles: list = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -157,7 +163,7 @@ class SavedActivations:
         st = t.untyped_storage()
         key = st._cdata
         if key not in self._seen and key not in self.exclude:
-            self._seen.add(key)
+            self._seen[key] = StorageWeakRef(st)
             self.by_module[self._stack[-1]] += st.nbytes()
         return t.detach()
 
@@ -169,6 +175,7 @@ class SavedActivations:
             self._stack.pop()
 
     def __enter__(self) -> SavedActivations:
+        _ACTIVE.append(self)
         if self.names:
             self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(self._enter_module),
                              torch.nn.modules.module.register_module_forward_hook(self._leave_module,
@@ -181,3 +188,20 @@ class SavedActivations:
         for h in self._handles:
             h.remove()
         self._handles = []
+        _ACTIVE.remove(self)
+
+
+_ACTIVE: list[SavedActivations] = []
+
+
+@contextmanager
+def saved_by(module: torch.nn.Module):
+    """Attribute what is saved inside this block to `module` in every active SavedActivations (a checkpoint
+    saves its inputs after its function returned, outside the module's own forward)."""
+    for meter in _ACTIVE:
+        meter._stack.append(meter.names.get(module, meter._stack[-1]))
+    try:
+        yield
+    finally:
+        for meter in _ACTIVE:
+            meter._stack.pop()

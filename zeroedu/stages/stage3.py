@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten
 
+from zeroedu.checkpointing import recomputing
 from zeroedu.flat import Bucket, FlatLayout
 from zeroedu.stages.stage2 import Stage2
 
@@ -170,6 +171,10 @@ class Stage3(Stage2):
 
     # -- forward hooks ----------------------------------------------------------------------------------
     def _pre_forward(self, m: torch.nn.Module, args) -> None:
+        if recomputing():   # activation checkpointing runs m again in backward: gather, leave the trace alone
+            for u in self.units_of[m]:
+                self.fetch(u)
+            return
         i = self._n_calls
         self._n_calls += 1
         self._calls.append(i)
@@ -184,6 +189,11 @@ class Stage3(Stage2):
         self.prefetch(range(i + 1, len(self._trace)))
 
     def _post_forward(self, m: torch.nn.Module, args, out) -> None:
+        if recomputing():   # released once its gradients are reduced, as in any backward
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, m=m: self._pre_backward(m, None))
+            return
         i = self._calls.pop()
         if torch.is_grad_enabled():
             for t in tree_flatten(out)[0]:
@@ -203,11 +213,12 @@ class Stage3(Stage2):
                 self.release(u)
             self._n_calls = 0
 
-    def _pre_backward(self, m: torch.nn.Module, i: int) -> None:
+    def _pre_backward(self, m: torch.nn.Module, i: int | None) -> None:
         for u in self.units_of[m]:
             if u not in self._reduced:     # reduced already: this module's backward is over
                 self.fetch(u)
-        self.prefetch(range(i - 1, -1, -1))
+        if i is not None:                  # None: a recomputed module, which has no place in the trace
+            self.prefetch(range(i - 1, -1, -1))
 
     # -- backward: reduce as at stage 2, then release -----------------------------------------------------
     def bucket_buffer_numel(self) -> int:
