@@ -75,3 +75,113 @@ def tp_mlp_run(rank: int, world: int, layers: int, d_model: int, tokens: int, ac
         "moved": [(e.op, e.phase, e.kind, e.tensor_bytes, e.sent_bytes) for e in comm.ledger
                   if e.kind == checkpointing.KIND],
     }
+
+
+def _mlp_config(stage: int = 3, micro: int = 4, optimizer: str = "Adam", **zero) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro, "optimizer": {"type": optimizer, "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero}}
+
+
+def init_run(rank: int, world: int, sizes: tuple[int, ...], use_init: bool, steps: int = 3) -> dict:
+    """MLP(sizes) built with or without zero.Init (construction peak measured), trained at stage 3."""
+    from zeroedu import zero
+    from zeroedu.memory import PeakTracker
+    from zeroedu.models import MLP, mlp_batch, mlp_loss, shard_batch
+
+    cfg = _mlp_config()
+    with PeakTracker(dict, lambda: "init") as tracker:
+        with zero.Init(config=cfg, enabled=use_init):
+            model = MLP(sizes)
+    empty = [p.numel() for p in model.parameters()]
+    engine, *_ = zeroedu.initialize(model=model, config=cfg)
+    losses = []
+    for s in range(steps):
+        x, y = shard_batch(*mlp_batch(s, 8, sizes), rank, world)
+        loss = mlp_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return {"peak": tracker.peak_total, "empty": empty, "losses": losses, "params": engine.master_state_dict()}
+
+
+def capped_run(rank: int, world: int, sizes: tuple[int, ...], cap: int, use_init: bool) -> dict:
+    """Build MLP(sizes) under a MemoryCap of `cap` bytes and train 2 steps at stage 3 with SGD; report how it
+    ended."""
+    from zeroedu import zero
+    from zeroedu.memory import MemoryCap
+    from zeroedu.models import MLP, mlp_batch, mlp_loss, shard_batch
+
+    unit = max(a * b + b for a, b in zip(sizes[:-1], sizes[1:], strict=False))
+    cfg = _mlp_config(optimizer="SGD", reduce_bucket_size=unit, stage3_prefetch_bucket_size=0,
+                      stage3_max_live_parameters=2 * unit)
+    cap_mode = MemoryCap(cap)
+    try:
+        with cap_mode:
+            with zero.Init(config=cfg, enabled=use_init):
+                model = MLP(sizes)
+            engine, *_ = zeroedu.initialize(model=model, config=cfg)
+            cap_mode.watch(engine.owned)
+            for s in range(2):
+                x, y = shard_batch(*mlp_batch(s, 8, sizes), rank, world)
+                loss = mlp_loss(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+    except torch.OutOfMemoryError as e:
+        return {"ok": False, "error": str(e), "peak": cap_mode.peak_total}
+    return {"ok": True, "peak": cap_mode.peak_total, "loss": float(loss.detach())}
+
+
+def gathered_run(rank: int, world: int) -> dict:
+    """GatheredParameters on Init's pieces (initialise a layer after construction, copy a weight) and on a
+    stage-3 engine's units (read the embedding, modify on rank 1); what every rank then sees."""
+    from zeroedu import zero
+    from zeroedu.models import MLP, TinyGPT
+
+    out: dict = {}
+    cfg = _mlp_config()
+    with zero.Init(config=cfg):
+        mlp = MLP((8, 16, 16, 4))
+    first, second = mlp.layers[0], mlp.layers[1]
+    with zero.GatheredParameters(first.weight, modifier_rank=0):
+        if rank == 0:                          # only rank 0 draws: the others get its values
+            torch.manual_seed(123)
+            torch.nn.init.normal_(first.weight, std=0.5)
+    with zero.GatheredParameters([*second.parameters(), mlp.layers[2].weight], modifier_rank=1):
+        if rank == 1:                          # copy a weight: layer 2's rows from layer 1's first rows
+            mlp.layers[2].weight.copy_(second.weight[:4])
+    with zero.GatheredParameters(mlp.parameters()):
+        out["init_full"] = {n: p.detach().clone() for n, p in mlp.named_parameters()}
+    out["init_empty"] = all(p.numel() == 0 for p in mlp.parameters())
+
+    engine, *_ = zeroedu.initialize(model=TinyGPT(), config=_mlp_config(micro=2))
+    gathers_before = len(engine.ledger.select(phase=zero.PHASE, op="all_gather"))
+    wte = engine.module.wte.weight
+    out["wte_empty_before"] = wte.numel()
+    with zero.GatheredParameters(wte):
+        out["wte"] = wte.detach().clone()
+    out["wte_empty_after"] = wte.numel()
+    with zero.GatheredParameters(engine.module.ln_f.parameters(), modifier_rank=1):
+        if rank == 1:
+            engine.module.ln_f.weight.fill_(0.5)
+    out["master"] = engine.master_state_dict()
+    out["gathers"] = [(e.op, e.kind, e.tensor_bytes, e.sent_bytes) for e in engine.ledger.select(phase=zero.PHASE)
+                      ][gathers_before:]
+    unit = engine.layout.buckets[engine._bucket_of[engine.module.ln_f.weight].index]
+    out["ln_f_piece"] = engine.layout.piece_of_shard(engine.param_shard, unit).clone()
+    out["ln_f_unit"] = (unit.padded, unit.piece)
+    return out
+
+
+def save16_run(rank: int, world: int, stage: int, path: str, gather_flag: bool) -> dict:
+    """TinyGPT in bf16 trained 2 steps at `stage`, then save_16bit_model(path)."""
+    from zeroedu.models import gpt_batch, gpt_loss, shard_batch
+
+    cfg = _mlp_config(stage=stage, micro=2, stage3_gather_16bit_weights_on_model_save=gather_flag)
+    cfg["bf16"] = {"enabled": True}
+    engine, *_ = zeroedu.initialize(model=TinyGPT(), config=cfg)
+    for s in range(2):
+        x, y = shard_batch(*gpt_batch(s, 4), rank, world)
+        engine.backward(gpt_loss(engine(x), y))
+        engine.step()
+    saved = engine.save_16bit_model(path)
+    return {"saved": saved, "master": engine.master_state_dict()}

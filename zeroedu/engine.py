@@ -93,13 +93,18 @@ class Engine:
         # device), else where its parameters already are (the CPU under gloo). Every buffer a stage makes
         # (gradient shards, bucket buffers, unit buffers, master pieces) is made on this device.
         self.device = compute_device(model, self.comm.backend)
+        if self.stage != 3 and any(getattr(p, "zero_partition", None) is not None for p in model.parameters()):
+            raise ValueError(f"this model was built inside zeroedu.zero.Init, so its parameters are partitioned: "
+                             f"train it at ZeRO stage 3 (the config asks for stage {self.stage}), or build it "
+                             f"without Init.")
         model.to(device=self.device, dtype=self.dtype)
         # Parameters that train, each once (a tied weight is one Parameter in two modules).
         self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
         self.names = {p: n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
-        with self.comm.in_phase("init"):
+        with self.comm.in_phase("init"):   # (parameters built inside zeroedu.zero.Init agree already)
             for t in list(dict.fromkeys(model.parameters())) + list(model.buffers()):
-                self.comm.broadcast(t.data, 0, kind="params" if t.is_floating_point() else "other")
+                if getattr(t, "zero_partition", None) is None:
+                    self.comm.broadcast(t.data, 0, kind="params" if t.is_floating_point() else "other")
         self.setup()
         self.optimizer = make_optimizer(config, self.master_pieces)
         if config.activation_checkpointing != type(config.activation_checkpointing)():
@@ -319,6 +324,30 @@ class Engine:
         from zeroedu import checkpoint
 
         return checkpoint.load(self, load_dir, tag, **kwargs)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """One consolidated state_dict in the compute dtype, written by rank 0 to save_dir/save_filename, that a
+        plain nn.Module of the same class loads (`load_state_dict(torch.load(path, weights_only=True))`).
+
+        As in DeepSpeed, at stage 3 it needs zero_optimization.stage3_gather_16bit_weights_on_model_save (the
+        parameters are gathered one unit at a time onto rank 0's host); without it nothing is written and it
+        returns False. Every rank must call it (stage 3 gathers)."""
+        import os
+
+        from zeroedu import zero
+
+        if self.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            if self.rank == 0:
+                print("zeroedu: save_16bit_model wrote nothing: at stage 3 set zero_optimization."
+                      "stage3_gather_16bit_weights_on_model_save to true to gather the weights for it.")
+            return False
+        state = zero.consolidated_16bit_state_dict(self)
+        if self.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)   # whole or not at all
+        return True
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         return self.module.parameters()

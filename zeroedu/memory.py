@@ -205,3 +205,31 @@ def saved_by(module: torch.nn.Module):
     finally:
         for meter in _ACTIVE:
             meter._stack.pop()
+
+
+class MemoryCap(PeakTracker):
+    """A device of `limit` bytes, for demos: when the live bytes of tensors made inside the block exceed it, the
+    operator that made them raises torch.OutOfMemoryError, as a GPU of that size would. It counts tensor
+    storages (what PeakTracker counts), not the process's memory; `peak_total` says how close it came."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(dict, lambda: "capped")
+        self.limit = int(limit)
+
+    def __enter__(self):
+        import torch._dynamo  # noqa: F401  (nn.Linear imports it on first use: not under the cap, it is slow)
+
+        return super().__enter__()
+
+    def watch(self, owned: Callable[[], dict[str, Iterable[torch.Tensor]]]) -> None:
+        """Follow these tensors' storages as they shrink and grow in place (stage 3 frees a gathered unit by
+        resizing its storage to 0 bytes): pass `engine.owned` once the engine exists."""
+        self._owned = owned
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.peak_total > self.limit:
+            total, self.peak_total = self.peak_total, 0   # reported once
+            raise torch.OutOfMemoryError(f"zeroedu.memory.MemoryCap: {func} brought live tensors to {total:,} bytes, "
+                                         f"over this rank's cap of {self.limit:,} bytes")
+        return out
