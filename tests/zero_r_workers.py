@@ -185,3 +185,16 @@ def save16_run(rank: int, world: int, stage: int, path: str, gather_flag: bool) 
         engine.step()
     saved = engine.save_16bit_model(path)
     return {"saved": saved, "master": engine.master_state_dict()}
+
+
+def accum_run(rank: int, world: int, stage: int, accum_dtype: str | None, steps: int = 2) -> dict:
+    """TinyGPT in bf16, 2 micro-steps per step, gradients accumulated in `accum_dtype` (None: the default)."""
+    from workers import run_steps
+
+    cfg = config(stage, "bf16", accum=2, micro=2)
+    if accum_dtype:
+        cfg["data_types"] = {"grad_accum_dtype": accum_dtype}
+    engine, *_ = zeroedu.initialize(model=TinyGPT(), config=cfg)
+    losses = run_steps(engine, "gpt", rank, world, steps)
+    return {"losses": losses, "params": engine.master_state_dict(), "resident": engine.memory()["resident"],
+            "psi": engine.layout.numel, "full": engine.layout.full_numel, "shard": engine.layout.shard_numel}
