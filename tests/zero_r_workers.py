@@ -146,7 +146,7 @@ def gathered_run(rank: int, world: int) -> dict:
         if rank == 0:                          # only rank 0 draws: the others get its values
             torch.manual_seed(123)
             torch.nn.init.normal_(first.weight, std=0.5)
-    with zero.GatheredParameters([*second.parameters(), mlp.layers[2].weight], modifier_rank=1):
+    with zero.GatheredParameters([*second.parameters(), mlp.layers[2].weight], modifier_rank=1), torch.no_grad():
         if rank == 1:                          # copy a weight: layer 2's rows from layer 1's first rows
             mlp.layers[2].weight.copy_(second.weight[:4])
     with zero.GatheredParameters(mlp.parameters()):
@@ -160,7 +160,7 @@ def gathered_run(rank: int, world: int) -> dict:
     with zero.GatheredParameters(wte):
         out["wte"] = wte.detach().clone()
     out["wte_empty_after"] = wte.numel()
-    with zero.GatheredParameters(engine.module.ln_f.parameters(), modifier_rank=1):
+    with zero.GatheredParameters(engine.module.ln_f.parameters(), modifier_rank=1), torch.no_grad():
         if rank == 1:
             engine.module.ln_f.weight.fill_(0.5)
     out["master"] = engine.master_state_dict()
