@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import LR, param_rel
 from zero_r_workers import accum_run
 
 import zeroedu
 from zeroedu.models import TinyGPT, gpt_batch, gpt_loss, shard_batch
+
+from reference import LR, param_rel
 
 pytestmark = pytest.mark.timeout(300)
 

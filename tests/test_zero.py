@@ -3,8 +3,8 @@
 References, none taken from the code under test: the same model built without Init and trained at stage 3
 (bit for bit: Init draws the same random numbers and the engine takes the same per-module units); the closed
 form of the construction peak (the pieces kept so far + the module being built + its piece), written out from
-the model's layer sizes (and Init's 8-byte fingerprints); the values written on one rank, read back on every rank and from the fp32 master
-weights; a plain nn.Module loading the saved file.
+the model's layer sizes (and Init's 8-byte fingerprints); the values written on one rank, read back on
+every rank and from the fp32 master weights; a plain nn.Module loading the saved file.
 """
 
 from __future__ import annotations

@@ -20,8 +20,6 @@ gather and broadcast is a ledger entry (phase "gather").
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 import torch.distributed as dist
 
