@@ -142,6 +142,12 @@ def test_checkpoint_without_grad_and_on_one_process():
     def two(t, k):
         return lin(t) * k, torch.tanh(t)
 
+    w = torch.randn(3, 4)                       # no input requires grad: lin's parameters still get theirs
+    checkpointing.checkpoint(lin, w).sum().backward()
+    gw = lin.weight.grad.clone()
+    lin.weight.grad = None
+    lin(w).sum().backward()
+    assert torch.equal(gw, lin.weight.grad)
     a, c = checkpointing.checkpoint(two, x, 3.0)
     (a.sum() + c.sum()).backward()
     g = x.grad.clone()

@@ -221,7 +221,7 @@ def _restore(kept: torch.Tensor, like: dict, device: torch.device) -> torch.Tens
 
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, *args):
+    def forward(ctx, fn, _requires_grad, *args):
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
         _sync(device)
         if _STATE.live == 0:
@@ -281,7 +281,7 @@ class _Checkpoint(torch.autograd.Function):
         _sync(ctx.device)
         if _STATE.config.profile:
             _STATE.stats["recompute_seconds"].append(time.perf_counter() - t0)
-        return (None, *(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs))
+        return (None, None, *(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs))
 
 
 def checkpoint(fn, *args):
@@ -290,8 +290,10 @@ def checkpoint(fn, *args):
     if not torch.is_grad_enabled():
         return fn(*args)
     # autograd packs what forward saved once apply returns: the meter attributes it to fn's module here
+    # The empty tensor that requires grad makes the outputs require grad even when no input does (the first
+    # layer's input, a tensor-parallel layer's): fn's parameters still need their gradients.
     with saved_by(fn) if isinstance(fn, torch.nn.Module) else nullcontext():
-        return _Checkpoint.apply(fn, *args)
+        return _Checkpoint.apply(fn, torch.empty(0, requires_grad=True), *args)
 
 
 __all__ = ["checkpoint", "configure", "is_configured", "ledger", "recomputing", "reset", "settings", "stats"]
