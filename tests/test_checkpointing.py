@@ -164,7 +164,7 @@ def test_tinygpt_checkpointed_on_one_process_is_bit_for_bit():
         m = TinyGPT(TinyGPTConfig(checkpoint_activations=ck))
         loss = gpt_loss(m(gpt_batch(0, 4)[0]), gpt_batch(0, 4)[1])
         loss.backward()
-        out.append((float(loss), [p.grad for p in m.parameters()]))
+        out.append((float(loss.detach()), [p.grad for p in m.parameters()]))
     assert out[0][0] == out[1][0] and all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1], strict=True))
 
 
