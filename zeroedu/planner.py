@@ -415,7 +415,7 @@ def _gb(x: float) -> str:
 
 
 def _recommend(rows: list[Row], usable: int, gpu_memory_gb: float, headroom: float, spec: ModelSpec,
-               nodes: int, recompute: str = "auto") -> tuple[Row | None, str]:
+               nodes: int, policy: str = "auto") -> tuple[Row | None, str]:
     """Tiers, best first: exact stages that fit as they are; exact stages with full recomputation; offload
     (CPU before NVMe) as it is, then with recomputation. Within a tier: least communication time, then the
     lower stage. ZeRO++ is quantized, so it is offered in the reason rather than chosen."""
@@ -425,6 +425,8 @@ def _recommend(rows: list[Row], usable: int, gpu_memory_gb: float, headroom: flo
     tiers = [(exact, False), (exact, True), (cpu, False), (cpu, True), (nvme, False), (nvme, True)]
     budget = f"{_gb(usable)} usable per GPU ({gpu_memory_gb:g} GB less {headroom:.0%} headroom)"
     for group, recompute in tiers:
+        if recompute and policy == "none":
+            continue
         ok = [r for r in group if r.fits_host and (r.fits_recompute if recompute else r.fits)]
         if not ok:
             continue
@@ -451,12 +453,12 @@ def _recommend(rows: list[Row], usable: int, gpu_memory_gb: float, headroom: flo
             words.append("Activations were not estimated: give --layers, --hidden and --heads.")
         return best, " ".join(words)
     last = next(r for r in rows if r.offload_optimizer == "nvme")
-    need, act = (last.total, last.activations) if recompute == "none" else (last.total_recompute,
-                                                                            last.activations_recompute)
-    how = "without recomputation" if recompute == "none" else "with full recomputation"
+    need, act = (last.total, last.activations) if policy == "none" else (last.total_recompute,
+                                                                         last.activations_recompute)
+    how = "without recomputation" if policy == "none" else "with full recomputation"
     return None, (f"Nothing fits in {budget}: even {last.label} needs {_gb(need)} per GPU {how} "
                   f"({_gb(act)} of it activations). Use more GPUs, a smaller micro-batch or sequence, "
-                  + ("allow recomputation, " if recompute == "none" else "")
+                  + ("allow recomputation, " if policy == "none" else "")
                   + "or add tensor/pipeline (sequence/context) parallelism.")
 
 
