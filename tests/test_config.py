@@ -47,7 +47,7 @@ def test_misspelt_keys_name_the_closest():
 def test_real_deepspeed_keys_not_implemented():
     for cfg, key in [({"scheduler": {}}, "scheduler"),
                      ({"zero_optimization": {"sub_group_size": 1e9}}, "zero_optimization.sub_group_size"),
-                     ({"activation_checkpointing": {}}, "activation_checkpointing"),
+                     ({"flops_profiler": {}}, "flops_profiler"),
                      ({"fp16": {"loss_scale": 0}}, "fp16.loss_scale")]:
         m = err(cfg)
         assert key in m and "real DeepSpeed setting" in m and "does not implement" in m

@@ -207,3 +207,24 @@ def test_cli_options(tmp_path, capsys):
     assert "beta 1.0 GB/s (fit to 7 collectives" in capsys.readouterr().out
     assert planner.main(["--model", "banana"]) == 2
     assert "unknown model 'banana'" in capsys.readouterr().err
+
+
+def test_activations_count_in_fits_and_print_as_a_row():
+    """Long context: at 32k tokens Llama 2 7B's activations (Korthikanti, 16-bit, flash: 34 s b h per layer,
+    plus 4 s b V fp32 logits) are more than a GPU holds, whatever the stage; full recomputation (2 s b h per
+    layer + one layer) makes stage 3 fit. recompute= fixes the policy."""
+    s, h, L, V = 32768, 4096, 32, 32000
+    none = planner.plan("7B", gpus=8, seq_len=s, flash_attention=True, recompute="none")
+    full = planner.plan("7B", gpus=8, seq_len=s, flash_attention=True, recompute="full")
+    act = L * 34 * s * h + 4 * s * V
+    act_rc = L * 2 * s * h + 34 * s * h + 4 * s * V
+    for p in (none, full):
+        assert all(r.activations == act and r.activations_recompute == act_rc for r in p.rows)
+    assert act > 72e9 and none.recommendation is None and "allow recomputation" in none.reason
+    assert full.recommendation is not None and full.recommendation.total_recompute <= 72e9
+    assert not any(r.fits for r in full.rows)       # under "full" only the recomputed totals count
+    text = planner.format_plan(full)
+    row = next(line for line in text.splitlines() if line.startswith("activations "))
+    assert f"{act / GB:.1f}" in row and f"{act_rc / GB:.1f}" in row and "recompute: full" in row
+    with pytest.raises(ValueError, match="recompute"):
+        planner.plan("7B", recompute="selective")

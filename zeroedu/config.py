@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 _DEEPSPEED_NOT_IMPLEMENTED = {
     "": {
         "train_batch_size", "steps_per_print", "wall_clock_breakdown", "dump_state", "scheduler",
-        "amp", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
+        "amp", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
         "comms_logger", "autotuning", "elasticity", "pipeline", "sparse_attention", "data_efficiency",
         "compression_training", "prescale_gradients", "gradient_predivide_factor", "communication_data_type",
         "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "checkpoint", "aio",
@@ -32,7 +32,7 @@ _DEEPSPEED_NOT_IMPLEMENTED = {
     },
     "zero_optimization": {
         "reduce_scatter", "load_from_fp32_weights", "round_robin_gradients", "sub_group_size",
-        "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save", "ignore_unused_parameters",
+        "stage3_max_reuse_distance", "ignore_unused_parameters",
         "elastic_checkpoint", "mics_shard_size", "mics_hierarchical_params_gather", "memory_efficient_linear",
         "stage3_module_granularity_threshold", "log_trace_cache_warnings",
         "zero_quantized_nontrainable_weights", "cpu_offload", "cpu_offload_params",
@@ -107,11 +107,64 @@ class ZeroConfig:
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
     zero_hpz_partition_size: int = 1
+    stage3_gather_16bit_weights_on_model_save: bool = False
 
     @property
     def bucket_numel(self) -> int:
         """One bucket layout serves both directions, so it is the smaller of the two sizes."""
         return min(self.reduce_bucket_size, self.allgather_bucket_size)
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """`activation_checkpointing`: how zeroedu.checkpointing.checkpoint keeps a checkpoint (ZeRO-R's P_a).
+
+    As in DeepSpeed, cpu_checkpointing and contiguous_memory_optimization act on the partitioned checkpoint, so
+    they need partition_activations; contiguous_memory_optimization needs number_checkpoints (the buffer's slots).
+    """
+
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+@dataclass(frozen=True)
+class DataTypesConfig:
+    """`data_types`: grad_accum_dtype is the dtype gradients accumulate in across micro-steps ("fp32", "bf16",
+    "fp16"); None means the compute dtype, as without the section."""
+
+    grad_accum_dtype: str | None = None
+
+
+def _parse_activation_checkpointing(raw: dict[str, Any]) -> ActivationCheckpointingConfig:
+    s = "activation_checkpointing"
+    flags = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+             "synchronize_checkpoint_boundary", "profile")
+    _check_keys(s, raw, {*flags, "number_checkpoints"})
+    kw: dict[str, Any] = {k: _bool(s, k, raw[k]) for k in flags if k in raw}
+    if raw.get("number_checkpoints") is not None:
+        kw["number_checkpoints"] = _int(s, "number_checkpoints", raw["number_checkpoints"], 1)
+    out = ActivationCheckpointingConfig(**kw)
+    for needs in ("cpu_checkpointing", "contiguous_memory_optimization"):
+        if getattr(out, needs) and not out.partition_activations:
+            raise ConfigError(f"'{s}.{needs}' acts on partitioned checkpoints (as in DeepSpeed): set "
+                              f"'{s}.partition_activations' to true too (without tensor parallelism a partition "
+                              f"is the whole checkpoint).")
+    if out.contiguous_memory_optimization and out.number_checkpoints is None:
+        raise ConfigError(f"'{s}.contiguous_memory_optimization' needs '{s}.number_checkpoints': how many "
+                          f"checkpoints one forward makes (the contiguous buffer has that many slots).")
+    return out
+
+
+def _parse_data_types(raw: dict[str, Any]) -> DataTypesConfig:
+    _check_keys("data_types", raw, {"grad_accum_dtype"})
+    dtype = raw.get("grad_accum_dtype")
+    if dtype is not None and dtype not in {"fp32", "bf16", "fp16"}:
+        raise ConfigError(f"'data_types.grad_accum_dtype' must be 'fp32', 'bf16' or 'fp16', got {dtype!r}.")
+    return DataTypesConfig(grad_accum_dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -125,6 +178,8 @@ class Config:
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     # zeroedu's own switch (not a DeepSpeed key): which collective implementation runs on gloo.
     comm_implementation: str = "auto"
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
 
     @property
     def precision(self) -> str:
@@ -265,7 +320,7 @@ def _parse_zero(raw: dict[str, Any]) -> ZeroConfig:
         "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
         "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
         "offload_optimizer", "offload_param", "zero_quantized_weights", "zero_quantized_gradients",
-        "zero_hpz_partition_size",
+        "zero_hpz_partition_size", "stage3_gather_16bit_weights_on_model_save",
     }
     _check_keys(s, raw, known)
     d = ZeroConfig()
@@ -309,6 +364,8 @@ def _parse_zero(raw: dict[str, Any]) -> ZeroConfig:
         zero_quantized_weights=qw,
         zero_quantized_gradients=qg,
         zero_hpz_partition_size=hpz,
+        stage3_gather_16bit_weights_on_model_save=_bool(s, "stage3_gather_16bit_weights_on_model_save", raw.get(
+            "stage3_gather_16bit_weights_on_model_save", False)),
     )
 
 
@@ -332,7 +389,7 @@ def load_config(config: dict[str, Any] | str | os.PathLike | Config | None) -> C
     _refuse_non_finite(config)
     top = {
         "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping", "optimizer",
-        "fp16", "bf16", "zero_optimization", "comm_implementation",
+        "fp16", "bf16", "zero_optimization", "comm_implementation", "activation_checkpointing", "data_types",
     }
     _check_keys("", config, top)
 
@@ -369,4 +426,6 @@ def load_config(config: dict[str, Any] | str | os.PathLike | Config | None) -> C
         bf16=bf16,
         zero_optimization=_parse_zero(_section(config, "zero_optimization")),
         comm_implementation=impl,
+        activation_checkpointing=_parse_activation_checkpointing(_section(config, "activation_checkpointing")),
+        data_types=_parse_data_types(_section(config, "data_types")),
     )

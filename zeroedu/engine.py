@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_map
 
 from zeroedu.comm import Comm, LedgerEntry
 from zeroedu.config import Config, load_config
-from zeroedu.memory import MODEL_STATES, PeakTracker, resident
+from zeroedu.memory import MODEL_STATES, PeakTracker, SavedActivations, resident
 from zeroedu.precision import LossScaler, compute_dtype
 
 
@@ -75,6 +75,14 @@ class Engine:
         self.module = model
         self.precision = config.precision
         self.dtype = compute_dtype(self.precision)
+        # data_types.grad_accum_dtype: the dtype gradients are summed in over micro-steps (and ranks). fp32 with
+        # bf16 costs 2 more bytes per parameter wherever a stage keeps a gradient buffer (18 B/param at stage 0).
+        accum = config.data_types.grad_accum_dtype
+        self.grad_dtype = compute_dtype(accum) if accum else self.dtype
+        if self.grad_dtype != self.dtype and (config.zero_optimization.offload_optimizer.device != "none"
+                                              or config.zero_optimization.zero_quantized_gradients):
+            raise ValueError("data_types.grad_accum_dtype different from the compute dtype works without "
+                             "offload_optimizer and zero_quantized_gradients: remove one of them.")
         self.comm = comm or Comm(implementation=config.comm_implementation)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.accum = config.gradient_accumulation_steps
@@ -85,6 +93,7 @@ class Engine:
         self.scaler = LossScaler.from_config(config.fp16)
         self.timeline: list[tuple[str, float, float]] = []   # (phase, start, end) in time.time()
         self.last_peak: PeakTracker | None = None
+        self.last_activations: SavedActivations | None = None   # what the last tracked forward saved for backward
         self._tracker: PeakTracker | None = None
         self._handles: list = []
 
@@ -92,15 +101,25 @@ class Engine:
         # device), else where its parameters already are (the CPU under gloo). Every buffer a stage makes
         # (gradient shards, bucket buffers, unit buffers, master pieces) is made on this device.
         self.device = compute_device(model, self.comm.backend)
+        if self.stage != 3 and any(getattr(p, "zero_partition", None) is not None for p in model.parameters()):
+            raise ValueError(f"this model was built inside zeroedu.zero.Init, so its parameters are partitioned: "
+                             f"train it at ZeRO stage 3 (the config asks for stage {self.stage}), or build it "
+                             f"without Init.")
         model.to(device=self.device, dtype=self.dtype)
         # Parameters that train, each once (a tied weight is one Parameter in two modules).
         self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
         self.names = {p: n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
-        with self.comm.in_phase("init"):
+        with self.comm.in_phase("init"):   # (parameters built inside zeroedu.zero.Init agree already)
             for t in list(dict.fromkeys(model.parameters())) + list(model.buffers()):
-                self.comm.broadcast(t.data, 0, kind="params" if t.is_floating_point() else "other")
+                if getattr(t, "zero_partition", None) is None:
+                    self.comm.broadcast(t.data, 0, kind="params" if t.is_floating_point() else "other")
         self.setup()
         self.optimizer = make_optimizer(config, self.master_pieces)
+        if config.activation_checkpointing != type(config.activation_checkpointing)():
+            # The section configures checkpoint(), process-wide, as in DeepSpeed.
+            from zeroedu import checkpointing
+
+            checkpointing.configure(config, ledger=self.comm.ledger)
 
     # -- what a stage provides ---------------------------------------------------------------------------
     master_pieces: list[torch.nn.Parameter]
@@ -151,7 +170,17 @@ class Engine:
         if self.device.type != "cpu":   # inputs follow the model to its GPU, as DDP's do
             args, kwargs = self.to_device((args, kwargs))
         with self._phase("forward"):
-            return self.module(*args, **kwargs)
+            if self._tracker is None:
+                return self.module(*args, **kwargs)
+            with self.saved_activations() as meter:
+                out = self.module(*args, **kwargs)
+            self.last_activations = meter
+            return out
+
+    def saved_activations(self) -> SavedActivations:
+        """A meter of the bytes autograd saves for backward (by module), the engine's own tensors left out."""
+        owned = [t for ts in self.owned().values() for t in ts]
+        return SavedActivations(self.module, [*owned, *self.module.parameters(), *self.module.buffers()])
 
     def to_device(self, data):
         """Every tensor in `data` (nested lists, tuples, dicts) moved to the engine's device."""
@@ -249,8 +278,12 @@ class Engine:
         tracker = PeakTracker(self.owned, lambda: self.comm.phase)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        with tracker:
-            yield tracker
+        self._tracker = tracker
+        try:
+            with tracker:
+                yield tracker
+        finally:
+            self._tracker = None
         self.last_peak = tracker
 
     def tier_bytes(self) -> dict[str, dict[str, int]]:
@@ -268,6 +301,9 @@ class Engine:
             "peak_total": self.last_peak.peak_total if self.last_peak else None,
             "peak_phase": self.last_peak.peak_phase if self.last_peak else None,
             "device": self.device.type,
+            # Bytes the last tracked forward saved for backward, in all and by module name (zeroedu.memory).
+            "activations": self.last_activations.total if self.last_activations else None,
+            "activations_by_module": dict(self.last_activations.by_module) if self.last_activations else None,
         }
         if self.device.type == "cuda":   # the allocator's own figures, next to the tensor-by-tensor ones
             report["cuda_allocated"] = torch.cuda.memory_allocated(self.device)
@@ -296,6 +332,30 @@ class Engine:
         from zeroedu import checkpoint
 
         return checkpoint.load(self, load_dir, tag, **kwargs)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """One consolidated state_dict in the compute dtype, written by rank 0 to save_dir/save_filename, that a
+        plain nn.Module of the same class loads (`load_state_dict(torch.load(path, weights_only=True))`).
+
+        As in DeepSpeed, at stage 3 it needs zero_optimization.stage3_gather_16bit_weights_on_model_save (the
+        parameters are gathered one unit at a time onto rank 0's host); without it nothing is written and it
+        returns False. Every rank must call it (stage 3 gathers)."""
+        import os
+
+        from zeroedu import zero
+
+        if self.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            if self.rank == 0:
+                print("zeroedu: save_16bit_model wrote nothing: at stage 3 set zero_optimization."
+                      "stage3_gather_16bit_weights_on_model_save to true to gather the weights for it.")
+            return False
+        state = zero.consolidated_16bit_state_dict(self)
+        if self.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)   # whole or not at all
+        return True
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         return self.module.parameters()

@@ -45,10 +45,13 @@ class FlatLayout:
         """Greedy buckets of at most `bucket_numel` elements, or exactly the given `groups` (stage 3's units)."""
         self.world_size = world_size
         self.buckets: list[Bucket] = []
+        # A parameter built inside zeroedu.zero.Init is empty until gathered: its real shape is zero_shape.
+        shape = {p: getattr(p, "zero_shape", p.shape) for p in params}
         if groups is None:
             groups = []
             for p in params:
-                if not groups or (sum(q.numel() for q in groups[-1]) + p.numel() > bucket_numel and groups[-1]):
+                if not groups or (sum(shape[q].numel() for q in groups[-1]) + shape[p].numel() > bucket_numel
+                                  and groups[-1]):
                     groups.append([])
                 groups[-1].append(p)
         self.params = [p for g in groups for p in g]
@@ -57,15 +60,15 @@ class FlatLayout:
             offsets, n = [], 0
             for p in group:
                 offsets.append(n)
-                n += p.numel()
+                n += shape[p].numel()
             padded = math.ceil(n / world_size) * world_size
-            shapes = [p.shape for p in group]
+            shapes = [shape[p] for p in group]
             self.buckets.append(Bucket(i, group, offsets, shapes, n, padded, start, shard_start, world_size))
             start += padded
             shard_start += padded // world_size
         self.full_numel = start
         self.shard_numel = shard_start
-        self.numel = sum(p.numel() for p in params)
+        self.numel = sum(shape[p].numel() for p in params)
 
     # -- views ------------------------------------------------------------------------------------------
     def bucket_view(self, full: torch.Tensor, b: Bucket) -> torch.Tensor:

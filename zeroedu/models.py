@@ -25,12 +25,18 @@ class TinyGPTConfig:
     d_model: int = 64
     n_layer: int = 2
     n_head: int = 4
+    # True: torch's scaled_dot_product_attention (a fused, flash-style kernel that keeps no s x s scores for
+    # backward) instead of the explicit softmax(q k^T) v. Same function, other activation memory (notebook 11).
+    fused_attention: bool = False
+    # True: each block runs under zeroedu.checkpointing.checkpoint, which keeps only its input for backward.
+    checkpoint_activations: bool = False
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: TinyGPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.fused = cfg.fused_attention
         # No bias: a key bias gets a gradient that is exactly zero in theory (softmax ignores a shift),
         # i.e. pure rounding noise that Adam would blow up into full-size steps.
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
@@ -42,6 +48,8 @@ class Attention(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        if self.fused:
+            return self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.n_head)
         att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(dim=-1)
         return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
@@ -82,7 +90,12 @@ class TinyGPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx) + self.wpe[: idx.shape[1]]
         for block in self.blocks:
-            x = block(x)
+            if self.cfg.checkpoint_activations:
+                from zeroedu.checkpointing import checkpoint
+
+                x = checkpoint(block, x)
+            else:
+                x = block(x)
         return self.head(self.ln_f(x))
 
 
@@ -98,6 +111,73 @@ class MLP(nn.Module):
             if i < len(self.layers) - 1:
                 x = torch.relu(x)
         return x
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Megatron's f: the identity in forward; in backward each TP rank has part of the input's gradient, so sum."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        ctx.comm.all_reduce(grad, average=False, kind="tp")
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Megatron's g: sum the TP ranks' partial outputs in forward; the identity in backward."""
+
+    @staticmethod
+    def forward(ctx, y, comm):
+        y = y.contiguous()
+        comm.all_reduce(y, average=False, kind="tp")
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class TensorParallelMLP(nn.Module):
+    """A transformer's MLP (Linear h->4h, GELU, Linear 4h->h) split over the ranks of `comm` as in Megatron-LM
+    (Shoeybi et al. 2019): fc by its outputs (column parallel), out by its inputs (row parallel). Each rank
+    computes 1/t of the hidden layer; one all-reduce in forward (and one in backward) completes the result, so
+    every rank holds the same input and output: what activation partitioning (zeroedu.checkpointing) splits.
+    Every rank builds the whole layer from the seed and keeps its slices, so t ranks compute what `full()`
+    computes on one."""
+
+    def __init__(self, d_model: int, comm=None, seed: int = 0) -> None:
+        super().__init__()
+        self.comm = comm
+        rank, t = (comm.rank, comm.world_size) if comm is not None else (0, 1)
+        if (4 * d_model) % t:
+            raise ValueError(f"4 x d_model = {4 * d_model} hidden units do not split over {t} ranks")
+        fc, out = self.full(d_model, seed)
+        k = 4 * d_model // t
+        self.fc = nn.Linear(d_model, k)
+        self.out = nn.Linear(k, d_model, bias=rank == 0)   # the bias is added once, by rank 0's partial sum
+        with torch.no_grad():
+            self.fc.weight.copy_(fc.weight[rank * k: (rank + 1) * k])
+            self.fc.bias.copy_(fc.bias[rank * k: (rank + 1) * k])
+            self.out.weight.copy_(out.weight[:, rank * k: (rank + 1) * k])
+            if rank == 0:
+                self.out.bias.copy_(out.bias)
+
+    @staticmethod
+    def full(d_model: int, seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
+        """The whole layer's two Linears, as every rank builds them before slicing."""
+        torch.manual_seed(seed)
+        return nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.comm is None or self.comm.world_size == 1:
+            return self.out(F.gelu(self.fc(x)))
+        y = self.out(F.gelu(self.fc(_CopyToTensorParallel.apply(x, self.comm))))
+        return _ReduceFromTensorParallel.apply(y, self.comm)
 
 
 class Quirky(nn.Module):

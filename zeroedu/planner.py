@@ -182,12 +182,11 @@ def activation_bytes(spec: ModelSpec, seq_len: int, micro_batch: int, precision:
     """
     if not spec.has_architecture:
         return 0
-    s, b, h, a, L = seq_len, micro_batch, spec.hidden, spec.heads, spec.layers
-    layer = 34 * s * b * h + (0 if flash_attention else 5 * a * s * s * b)
-    kept = L * 2 * s * b * h + layer if recompute else L * layer
+    kept = theory.activation_bytes(seq_len, micro_batch, spec.hidden, spec.heads, spec.layers,
+                                   "full" if recompute else "none", flash_attention)
     if theory.param_bytes(precision) == 4:
         kept *= 2
-    return kept + 4 * s * b * (spec.vocab or 0)
+    return kept + 4 * seq_len * micro_batch * (spec.vocab or 0)
 
 
 # -- the plan -----------------------------------------------------------------------------------------------
@@ -242,6 +241,8 @@ class Plan:
     recommendation: Row | None
     reason: str
     assumptions: str
+    recompute: str = "auto"
+    flash_attention: bool = False
 
     @property
     def nodes(self) -> int:
@@ -301,8 +302,14 @@ def plan(model: str | int | float = "7B", gpus: int = 8, gpus_per_node: int = 8,
          seq_len: int = 2048, grad_accum: int = 1, optimizer: str = "adam", headroom: float = 0.10,
          layers: int | None = None, hidden: int | None = None, heads: int | None = None, vocab: int | None = None,
          flash_attention: bool = False, bucket_numel: int = 50_000_000, prefetch_numel: int = 50_000_000,
-         max_live_numel: int = 1_000_000_000, host_memory_gb: float | None = None) -> Plan:
-    """Every configuration's bytes per GPU, fit and communication time, and the recommended one."""
+         max_live_numel: int = 1_000_000_000, host_memory_gb: float | None = None, recompute: str = "auto") -> Plan:
+    """Every configuration's bytes per GPU, fit and communication time, and the recommended one.
+
+    Activations count in every "fits": seq_len, micro_batch, flash_attention and `recompute` set them.
+    recompute="none" or "full" fixes the activation policy (a row fits only with it); "auto" tries each
+    configuration without recomputation first, then with full recomputation (the recommendation says which)."""
+    if recompute not in {"auto", "none", "full"}:
+        raise ValueError(f"recompute must be 'auto', 'none' or 'full', got {recompute!r}")
     spec = parse_model(model, layers, hidden, heads, vocab)
     n, g = int(gpus), int(gpus_per_node)
     if n < 1 or g < 1:
@@ -382,6 +389,10 @@ def plan(model: str | int | float = "7B", gpus: int = 8, gpus_per_node: int = 8,
                   model_states, act, act_rc, base + act, base + act_rc, comm_bytes=comm, cross_node_bytes=cross,
                   comm_seconds=seconds, note=note)
         row.fits, row.fits_recompute = row.total <= usable, row.total_recompute <= usable
+        if recompute == "none":
+            row.fits_recompute = row.fits
+        elif recompute == "full":
+            row.fits = False     # the policy is full recomputation: only tot-rc counts
         if host_memory_gb is not None:
             row.fits_host = row.host["total"] * g <= (1 - headroom) * host_memory_gb * GB
         if oo != "none":
@@ -392,11 +403,11 @@ def plan(model: str | int | float = "7B", gpus: int = 8, gpus_per_node: int = 8,
                                    + moved["nvme"] / nvme_l.beta_bytes_per_s)
         rows.append(row)
 
-    best, reason = _recommend(rows, usable, gpu_memory_gb, headroom, spec, nodes)
+    best, reason = _recommend(rows, usable, gpu_memory_gb, headroom, spec, nodes, recompute)
     assumptions = "\n".join(f"- {a}" for a in _assumptions(spec, headroom, bucket_numel, prefetch_numel,
                                                            flash_attention))
     return Plan(spec, n, int(gpus_per_node), gpu_memory_gb, usable, precision, micro_batch, seq_len, grad_accum,
-                intra_l, inter_l, host_l, nvme_l, rows, best, reason, assumptions)
+                intra_l, inter_l, host_l, nvme_l, rows, best, reason, assumptions, recompute, flash_attention)
 
 
 def _gb(x: float) -> str:
@@ -404,7 +415,7 @@ def _gb(x: float) -> str:
 
 
 def _recommend(rows: list[Row], usable: int, gpu_memory_gb: float, headroom: float, spec: ModelSpec,
-               nodes: int) -> tuple[Row | None, str]:
+               nodes: int, policy: str = "auto") -> tuple[Row | None, str]:
     """Tiers, best first: exact stages that fit as they are; exact stages with full recomputation; offload
     (CPU before NVMe) as it is, then with recomputation. Within a tier: least communication time, then the
     lower stage. ZeRO++ is quantized, so it is offered in the reason rather than chosen."""
@@ -414,6 +425,8 @@ def _recommend(rows: list[Row], usable: int, gpu_memory_gb: float, headroom: flo
     tiers = [(exact, False), (exact, True), (cpu, False), (cpu, True), (nvme, False), (nvme, True)]
     budget = f"{_gb(usable)} usable per GPU ({gpu_memory_gb:g} GB less {headroom:.0%} headroom)"
     for group, recompute in tiers:
+        if recompute and policy == "none":
+            continue
         ok = [r for r in group if r.fits_host and (r.fits_recompute if recompute else r.fits)]
         if not ok:
             continue
@@ -440,9 +453,13 @@ def _recommend(rows: list[Row], usable: int, gpu_memory_gb: float, headroom: flo
             words.append("Activations were not estimated: give --layers, --hidden and --heads.")
         return best, " ".join(words)
     last = next(r for r in rows if r.offload_optimizer == "nvme")
-    return None, (f"Nothing fits in {budget}: even {last.label} needs {_gb(last.total_recompute)} per GPU with "
-                  f"full recomputation ({_gb(last.activations_recompute)} of it activations). Use more GPUs, a "
-                  f"smaller micro-batch or sequence, or add tensor/pipeline parallelism.")
+    need, act = (last.total, last.activations) if policy == "none" else (last.total_recompute,
+                                                                         last.activations_recompute)
+    how = "without recomputation" if policy == "none" else "with full recomputation"
+    return None, (f"Nothing fits in {budget}: even {last.label} needs {_gb(need)} per GPU {how} "
+                  f"({_gb(act)} of it activations). Use more GPUs, a smaller micro-batch or sequence, "
+                  + ("allow recomputation, " if policy == "none" else "")
+                  + "or add tensor/pipeline (sequence/context) parallelism.")
 
 
 # -- output -------------------------------------------------------------------------------------------------
@@ -480,6 +497,11 @@ def format_plan(p: Plan) -> str:
                   f"{r.comm_bytes / GB:7.1f}", f"{r.comm_seconds:8.3g}",
                   f"{r.offload_seconds:8.3g}" if r.offload_optimizer != "none" else " " * 7 + "-"]
         lines.append(" ".join(cells))
+    r0 = p.rows[0]   # activations are the same in every configuration: their own row, in the act columns
+    lines.append("activations".ljust(COLUMNS[0][1]) + " " * (sum(w + 1 for _, w in COLUMNS[1:6]))
+                 + f"{r0.activations / GB:7.1f} {r0.activations_recompute / GB:7.1f}   (per GPU, "
+                 f"{p.micro_batch} x {p.seq_len} tokens{', fused attention' if p.flash_attention else ''}; "
+                 f"recompute: {p.recompute})")
     lines += ["", "Recommendation: " + (p.recommendation.label if p.recommendation else "none"), p.reason, ""]
     lines += ["Links (alpha-beta model):", f"- intra-node {p.intra.describe()}", f"- inter-node {p.inter.describe()}",
               f"- host {p.host_link.describe()}", f"- nvme {p.nvme_link.describe()}", ""]
@@ -518,6 +540,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--heads", type=int)
     ap.add_argument("--vocab", type=int)
     ap.add_argument("--flash-attention", action="store_true", help="attention scores are not stored")
+    ap.add_argument("--recompute", default="auto", choices=["auto", "none", "full"],
+                    help="activation recomputation: none, full, or auto (none if it fits, else full)")
     ap.add_argument("--host-memory-gb", type=float, help="host RAM per node; offload rows must fit it too")
     ap.add_argument("--intra-samples", help="JSON file of measured collectives within a node: a list of "
                     "[op, bytes, world_size, seconds] or of ledger rows; replaces the intra-node link")
@@ -546,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         result = plan(args.model, args.gpus, args.gpus_per_node, args.gpu_memory_gb, intra, inter, args.host_link,
                       args.precision, args.micro_batch, args.seq_len, args.grad_accum, headroom=args.headroom,
                       layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
-                      flash_attention=args.flash_attention, host_memory_gb=args.host_memory_gb)
+                      flash_attention=args.flash_attention, host_memory_gb=args.host_memory_gb,
+                      recompute=args.recompute)
     except (ValueError, OSError) as e:
         print(f"zeroedu plan: {e}", file=sys.stderr)
         return 2

@@ -533,8 +533,78 @@ def zeropp_cross_node_ratio(psi: int, world_size: int, node_size: int, **kw) -> 
     return float(zeropp_comm_bytes(psi, world_size, node_size, **kw)["cross_node_per_node"]) / (2 * psi)
 
 
+# -- activations (ZeRO-R) ---------------------------------------------------------------------------------
+# s = sequence length, b = micro-batch, h = hidden size, a = attention heads, L = layers.
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, recompute: str = "none",
+                            flash_attention: bool = False) -> int:
+    """Activation bytes one transformer layer keeps for backward, Korthikanti et al. 2022 ("Reducing Activation
+    Recomputation in Large Transformer Models", Sec. 4.1, no tensor or sequence parallelism): 16-bit
+    activations with 1-byte dropout masks.
+
+    - recompute="none": sbh(34 + 5as/h) = 34sbh + 5as^2b. The 5as^2b are the attention scores, their softmax
+      and its dropout mask and output: what a fused (flash-style) attention never stores, leaving 34sbh.
+    - recompute="full": only the layer's input is checkpointed, 2sbh; its 34sbh (+ 5as^2b) come back during
+      its own backward, one layer at a time (`activation_bytes` counts that layer).
+    """
+    if recompute == "full":
+        return 2 * s * b * h
+    if recompute != "none":
+        raise ValueError(f"recompute must be 'none' or 'full', got {recompute!r}.")
+    return 34 * s * b * h + (0 if flash_attention else 5 * a * s * s * b)
+
+
+def activation_bytes(s: int, b: int, h: int, a: int, layers: int, recompute: str = "none",
+                     flash_attention: bool = False) -> int:
+    """Activation bytes of a model of `layers` Korthikanti layers at the peak of backward (16-bit).
+
+    Without recomputation all layers' activations are alive when backward starts. With full recomputation the
+    L checkpoints (2sbh each) are alive, plus one layer's recomputed activations during its backward."""
+    if recompute == "full":
+        return layers * korthikanti_layer_bytes(s, b, h, a, "full") + korthikanti_layer_bytes(
+            s, b, h, a, "none", flash_attention)
+    return layers * korthikanti_layer_bytes(s, b, h, a, recompute, flash_attention)
+
+
+def tinygpt_layer_terms(s: int, b: int, h: int, a: int, precision: str = "fp32",
+                        fused_attention: bool = False) -> dict[str, int]:
+    """What autograd saves in one zeroedu.models.Block on the CPU, tensor by tensor, in bytes.
+
+    The same bookkeeping as Korthikanti's, for our layer: no dropout (so no masks, and the softmax output is the
+    tensor attention multiplies V with), GELU, and the CPU kernels' choices: LayerNorm keeps its mean and rstd
+    (b s values each) in the compute dtype, the explicit attention keeps a boolean causal mask (s^2 bytes), and
+    the fused one (scaled_dot_product_attention) keeps q, k, v, its output (which the projection reads as a view)
+    and an fp32 logsumexp (b a s): p(16sbh + 4bs) + 4abs, where the explicit one keeps p(16sbh + 4bs + as^2b) + s^2.
+    """
+    p = param_bytes(precision)
+    sbh = s * b * h
+    terms = {
+        "ln1 input": p * sbh, "ln1 mean+rstd": 2 * p * b * s, "qkv input": p * sbh,
+    }
+    if fused_attention:   # its output is laid out (b, s, a, h/a): the proj input is a view of it, not a copy
+        terms |= {"q, k, v": 3 * p * sbh, "logsumexp (fp32)": 4 * b * a * s, "attention output = proj input": p * sbh}
+    else:
+        terms |= {"q, k (contiguous copies)": 2 * p * sbh, "causal mask (bool)": s * s,
+                  "softmax output": p * a * s * s * b, "v (contiguous copy)": p * sbh, "proj input": p * sbh}
+    terms |= {
+        "ln2 input": p * sbh, "ln2 mean+rstd": 2 * p * b * s, "fc input": p * sbh,
+        "gelu input": 4 * p * sbh, "out input": 4 * p * sbh,
+    }
+    return terms
+
+
+def tinygpt_layer_bytes(s: int, b: int, h: int, a: int, precision: str = "fp32", fused_attention: bool = False,
+                        checkpointed: bool = False) -> int:
+    """Bytes one TinyGPT block keeps for backward: the sum of tinygpt_layer_terms. In 16-bit that is
+    32sbh + 2as^2b + 8bs + s^2 (Korthikanti's 34sbh + 5as^2b less the dropout masks and outputs, plus the
+    LayerNorm statistics and the causal mask). Checkpointed: only the block's input, p x sbh (2sbh in 16-bit)."""
+    if checkpointed:
+        return param_bytes(precision) * s * b * h
+    return sum(tinygpt_layer_terms(s, b, h, a, precision, fused_attention).values())
+
+
 __all__ = [
-    "GB", "MODEL_STATES", "PARAM_BYTES", "PRECISIONS", "RING_OPS", "STAGES", "TIERS",
+    "GB", "MODEL_STATES", "activation_bytes", "korthikanti_layer_bytes", "tinygpt_layer_bytes",
+    "tinygpt_layer_terms", "PARAM_BYTES", "PRECISIONS", "RING_OPS", "STAGES", "TIERS",
     "ZEROPP_BLOCK_SIZE", "ZEROPP_GRAD_BITS", "ZEROPP_SCALE_BYTES", "ZEROPP_WEIGHT_BITS",
     "collective_time", "comm_bytes_per_step", "comm_volume_paper", "fit_alpha_beta", "layout_numel",
     "master_bytes", "model_state_bytes", "model_state_bytes_paper", "model_state_bytes_paper_parts", "offload_bytes",

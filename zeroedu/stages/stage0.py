@@ -35,9 +35,13 @@ class Stage0(Engine):
     # Where gradients live: a flat buffer whose views are the parameters' .grad, so autograd accumulates
     # straight into the buckets and micro-steps add up in place.
     def setup_gradients(self) -> None:
-        self.flat_grads = torch.zeros_like(self.flat_params)
-        for p, view in zip(self.layout.params, self.layout.param_views(self.flat_grads), strict=True):
-            p.grad = view
+        self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.grad_dtype)
+        views = self.layout.param_views(self.flat_grads)
+        if self.grad_dtype == self.dtype:
+            for p, view in zip(self.layout.params, views, strict=True):
+                p.grad = view
+        else:   # grad_accum_dtype: autograd's gradient (compute dtype) is added in and freed, one at a time
+            self._grad_views = dict(zip(self.layout.params, views, strict=True))
 
     def master_source(self) -> list[torch.Tensor]:
         """What the fp32 master pieces are: here every bucket, whole."""
@@ -54,6 +58,9 @@ class Stage0(Engine):
         self._reduced = set()
 
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
+        if self.grad_dtype != self.dtype and self.stage < 2:
+            self._grad_views[p].add_(p.grad)
+            p.grad = None
         if not self.reduces_this_micro_step():
             return
         b = self._bucket_of[p]

@@ -37,7 +37,7 @@ class Stage1(Stage0):
         super().before_backward()
         # The reduced gradient of this rank's pieces exists only from the last backward to the step.
         if self.reduces_this_micro_step():
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
 
     def reduce_bucket(self, b: Bucket) -> None:
         grads = self.layout.bucket_view(self.flat_grads, b)

@@ -21,7 +21,7 @@ class Stage2(Stage1):
 
     def setup_gradients(self) -> None:
         self.flat_grads = None
-        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
         self.bucket_buffers = [torch.empty(self.bucket_buffer_numel(), dtype=self.dtype, device=self.device)
                                for _ in range(2)]
         self._buffer_jobs: list = [None, None]
@@ -66,7 +66,7 @@ class Stage2(Stage1):
         outs = [self.grad_out(b) for b in buckets]
 
         def job() -> None:
-            reduced = [torch.empty_like(out) for out in outs]
+            reduced = [torch.empty_like(out, dtype=bufs[0].dtype) for out in outs]
             self.comm.reduce_scatter_coalesced(reduced, bufs, average=True, kind="grads")
             for out, r in zip(outs, reduced, strict=True):
                 out.add_(r)            # micro-steps accumulate in the shard

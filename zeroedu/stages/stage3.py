@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten
 
+from zeroedu import zero
+from zeroedu.checkpointing import recomputing
 from zeroedu.flat import Bucket, FlatLayout
 from zeroedu.stages.stage2 import Stage2
 
@@ -53,14 +55,22 @@ class Stage3(Stage2):
                                     if p in self._bucket_of}) for m in self.module.modules()}
         self.persistent = {b.index for b in self.layout.buckets if b.numel < zc.stage3_param_persistence_threshold}
 
-        full = self.layout.flatten([p.data for p in self.layout.params])
-        self.param_shard = self.layout.shard_of(full, self.rank)
+        # This rank's shard, one unit at a time: a model built inside zeroedu.zero.Init is gathered unit by unit
+        # (GatheredParameters), so no rank ever holds the whole model.
+        self.param_shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
         self.unit_buffers: dict[int, torch.Tensor] = {}  # unit -> its full buffer (storage empty when released)
         self.gathered: dict[int, torch.Tensor] = {}     # unit -> its full buffer, while gathered
         self.inflight: dict[int, tuple] = {}            # unit -> (handle, buffer), while a prefetch runs
         for b in self.layout.buckets:
+            full = torch.zeros(b.padded, dtype=self.dtype, device=self.device)
+            with zero.GatheredParameters(b.params):
+                for view, p in zip(self.layout.param_views_of_bucket(full, b), b.params, strict=True):
+                    view.copy_(p.data)
+            for p in b.params:
+                p.zero_partition = None   # Init's pieces of this unit are in the shard now: let them go
+            self.layout.piece_of_shard(self.param_shard, b).copy_(full[self.rank * b.piece: (self.rank + 1) * b.piece])
             if b.index in self.persistent:
-                self._attach(b, self.layout.bucket_view(full, b).clone())
+                self._attach(b, full)
             else:
                 self._detach(b)
         del full
@@ -85,6 +95,7 @@ class Stage3(Stage2):
             if self.units_of[m] or m is self.module:
                 m.register_forward_pre_hook(self._pre_forward)
                 m.register_forward_hook(self._post_forward)
+        zero.adopt(self)   # GatheredParameters now gathers and writes back through this engine
 
     # -- gather and release -----------------------------------------------------------------------------
     # Each unit has one full-size buffer whose *storage* is freed on release (resized to 0 bytes) and
@@ -170,6 +181,10 @@ class Stage3(Stage2):
 
     # -- forward hooks ----------------------------------------------------------------------------------
     def _pre_forward(self, m: torch.nn.Module, args) -> None:
+        if recomputing():   # activation checkpointing runs m again in backward: gather, leave the trace alone
+            for u in self.units_of[m]:
+                self.fetch(u)
+            return
         i = self._n_calls
         self._n_calls += 1
         self._calls.append(i)
@@ -184,6 +199,11 @@ class Stage3(Stage2):
         self.prefetch(range(i + 1, len(self._trace)))
 
     def _post_forward(self, m: torch.nn.Module, args, out) -> None:
+        if recomputing():   # released once its gradients are reduced, as in any backward
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, m=m: self._pre_backward(m, None))
+            return
         i = self._calls.pop()
         if torch.is_grad_enabled():
             for t in tree_flatten(out)[0]:
@@ -203,11 +223,12 @@ class Stage3(Stage2):
                 self.release(u)
             self._n_calls = 0
 
-    def _pre_backward(self, m: torch.nn.Module, i: int) -> None:
+    def _pre_backward(self, m: torch.nn.Module, i: int | None) -> None:
         for u in self.units_of[m]:
             if u not in self._reduced:     # reduced already: this module's backward is over
                 self.fetch(u)
-        self.prefetch(range(i - 1, -1, -1))
+        if i is not None:                  # None: a recomputed module, which has no place in the trace
+            self.prefetch(range(i - 1, -1, -1))
 
     # -- backward: reduce as at stage 2, then release -----------------------------------------------------
     def bucket_buffer_numel(self) -> int:
