@@ -179,29 +179,17 @@ def section_offload(dry: bool) -> dict:
 
 
 def train_gpt(rank: int, world: int, seq: int, checkpointed: bool) -> dict:
-    from zeroedu import checkpointing
+    """One rank: TinyGPT at stage 3, its blocks recomputed in backward (zeroedu.checkpointing) or not."""
     from zeroedu.models import TinyGPT, TinyGPTConfig, gpt_batch, gpt_loss
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    cfg = config(3, 4)
-    if checkpointed:
-        cfg["activation_checkpointing"] = {"partition_activations": False}
-    shape = TinyGPTConfig(seq_len=seq)
-    model = TinyGPT(shape, seed=0).to(device)
-    if checkpointed:
-        checkpointing.checkpoint_blocks(model)
-    engine, *_ = zeroedu.initialize(model=model, config=cfg)
+    shape = TinyGPTConfig(seq_len=seq, d_model=256 if seq > 64 else 64, checkpoint_activations=checkpointed)
+    engine, *_ = zeroedu.initialize(model=TinyGPT(shape, seed=0).to(device), config=config(3, 4))
     batches = [tuple(t.to(device) for t in gpt_batch(s, 4, shape)) for s in range(STEPS)]
-    return {"step_seconds": _timed_steps(engine, batches, gpt_loss)}
+    return {"step_seconds": _timed_steps(engine, batches, gpt_loss), "d_model": shape.d_model, "seq_len": seq}
 
 
 def section_checkpointing(dry: bool) -> dict:
-    try:
-        from zeroedu import checkpointing
-    except ImportError:
-        return {"skipped_reason": "zeroedu.checkpointing is not in this tree yet"}
-    if not hasattr(checkpointing, "checkpoint_blocks"):
-        return {"skipped_reason": "zeroedu.checkpointing has no checkpoint_blocks(model) to wrap TinyGPT's blocks"}
     seq = sizes(dry)["gpt_seq"]
     return {name: zeroedu.launch(train_gpt, world_size=1, args=(seq, on))[0]
             for name, on in (("plain", False), ("checkpointed", True))}
