@@ -294,6 +294,15 @@ class Engine:
         return float(loss)
 
     # -- what DeepSpeed's engine reports ------------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
     def get_lr(self) -> list[float]:
         """The learning rate of each parameter group, as deepspeed's engine.get_lr()."""
         return [float(g["lr"]) for g in self.optimizer.param_groups]

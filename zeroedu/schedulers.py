@@ -81,7 +81,7 @@ class Schedule:
 
 def _warmup_fraction(it: int, steps: int, kind: str) -> float:
     """0 -> 1 over the warmup: ln(it + 1) / ln(steps), or it / steps."""
-    return math.log(it + 1) / math.log(steps) if kind == "log" else it / steps
+    return (1.0 / math.log(steps)) * math.log(it + 1) if kind == "log" else it / steps   # DeepSpeed's rounding
 
 
 class WarmupLR(Schedule):
