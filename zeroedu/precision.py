@@ -25,7 +25,7 @@ class LossScaler:
     The loss is multiplied by `scale` before backward so that small fp16 gradients do not flush to zero. A
     step whose gradients overflow (inf/nan) is skipped, with a static scale too. `loss_scale` 0 means dynamic:
     overflows first use up `hysteresis`; once it is spent the scale halves (never below `min_scale`). After
-    `window` steps without overflow the scale doubles and the hysteresis is restored; with
+    `window` steps without overflow the next clean one doubles the scale and the hysteresis is restored; with
     `consecutive_hysteresis` every step without overflow restores it (so only overflows in a row count).
     """
 
@@ -60,10 +60,13 @@ class LossScaler:
             return
         if self.consecutive_hysteresis:
             self._hysteresis_left = self.hysteresis
-        self._clean_steps += 1
-        if self._clean_steps % self.window == 0:
+        # DeepSpeed counts the clean steps before this one: the scale doubles on the (window + 1)-th clean step
+        # after an overflow (or the start), then every `window` clean steps.
+        if self._clean_steps > 0 and self._clean_steps % self.window == 0:
             self.scale *= 2
-            self._hysteresis_left = self.hysteresis
+            if not self.consecutive_hysteresis:
+                self._hysteresis_left = self.hysteresis
+        self._clean_steps += 1
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "hysteresis_left": self._hysteresis_left, "clean_steps": self._clean_steps}
