@@ -49,7 +49,10 @@ def lr_trace(rank: int, world: int, runs: list[tuple[str, str, dict, int]]) -> d
 
 def zero_keys(rank: int, world: int) -> dict:
     """The ZeRO keys that change behaviour, each next to the run without it (tests/test_deepspeed_keys.py)."""
-    from workers import config, train
+    import zeroedu
+
+    from reference import make
+    from workers import config, run_steps, train
 
     runs = {
         "s2": config(2, "bf16"), "s2-allreduce": config(2, "bf16", reduce_scatter=False),
@@ -61,6 +64,12 @@ def zero_keys(rank: int, world: int) -> dict:
         "s3-noncontiguous": config(3, "bf16", contiguous_gradients=False),
     }
     out = {key: train(rank, world, "gpt", cfg, steps=3, track_step=1) for key, cfg in runs.items()}
+    for key, cfg in {"s2-count": config(2, "bf16"), "s2-count5000": config(2, "bf16", allgather_bucket_size=5000),
+                     "s1-count100k": config(1, "fp32", allgather_bucket_size=100_000)}.items():
+        engine, *_ = zeroedu.initialize(model=make("gpt"), config=cfg)
+        run_steps(engine, "gpt", rank, world, 2)
+        out[key] = {"gathers": len(engine.ledger.select(op="all_gather", phase="step", step=1)),
+                    "shard": engine.layout.shard_numel, "buckets": len(engine.layout.buckets)}
     for key, sub in {"s2-whole": None, "s2-sub4000": 4000}.items():
         out[key] = step_peak(rank, world, config(2, "bf16", **({"sub_group_size": sub} if sub else {})))
     return out
@@ -69,6 +78,7 @@ def zero_keys(rank: int, world: int) -> dict:
 def step_peak(rank: int, world: int, cfg: dict) -> dict:
     """Peak bytes by category during the optimizer step alone (the second one), and the weights after it."""
     import zeroedu
+
     from reference import batch, loss_fn, make
 
     engine, *_ = zeroedu.initialize(model=make("gpt"), config=cfg)
@@ -88,6 +98,7 @@ def step_peak(rank: int, world: int, cfg: dict) -> dict:
 def client_objects(rank: int, world: int) -> dict:
     """initialize with a client optimizer and scheduler, next to the same run written in the config."""
     import zeroedu
+
     from reference import LR, make
     from workers import config, run_steps
 
@@ -129,6 +140,7 @@ def client_objects(rank: int, world: int) -> dict:
 def logging_keys(rank: int, world: int) -> dict:
     """The logging keys' lines, and the ledger and meter they were made from."""
     import zeroedu
+
     from reference import make
     from workers import config, run_steps
 
@@ -167,4 +179,38 @@ def loss_scales(rank: int, world: int, pattern: list[bool], cases: list[tuple]) 
             a.append(ours.scale)
             b.append(theirs.cur_scale)
         out.append((a, b))
+    return out
+
+
+def corpus_train(rank: int, world: int, runs: dict[str, tuple[dict, float | None]]) -> dict:
+    """Train each config 3 optimizer steps on an MLP, on batches of the size the config says."""
+    import zeroedu
+
+    out = {}
+    for name, (cfg, client_lr) in runs.items():
+        model = MLP(seed=0)
+        client = torch.optim.Adam(model.parameters(), lr=client_lr) if client_lr else None
+        engine, *_ = zeroedu.initialize(model=model, config=cfg, optimizer=client)
+        micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+        losses, lrs = [], []
+        for s in range(3):
+            gen = torch.Generator().manual_seed(s)
+            x, y = torch.randn(micro * accum * world, 32, generator=gen), torch.randint(0, 10, (micro * accum * world,),
+                                                                                         generator=gen)
+            total = torch.zeros(())
+            for m in range(accum):
+                xs, ys = shard_batch(x, y, rank, world, m, accum)
+                dtype = next(engine.parameters()).dtype   # inputs in the model's dtype, as with DeepSpeed
+                loss = torch.nn.functional.cross_entropy(engine(xs.to(dtype)).float(), ys)
+                engine.backward(loss)
+                engine.step()
+                total += loss.detach().float()
+            torch.distributed.all_reduce(total)
+            losses.append(float(total) / (world * accum))
+            lrs.append(engine.get_lr()[0])
+        out[name] = {"losses": losses, "lrs": lrs, "batch": [micro, accum, engine.train_batch_size()],
+                     "lines": list(engine.log_lines)}
+        close = getattr(engine, "close", None)
+        if close:
+            close()
     return out
