@@ -1,8 +1,14 @@
-"""The config: a documented subset of DeepSpeed's JSON, parsed into frozen dataclasses.
+"""The config: DeepSpeed's JSON, parsed into frozen dataclasses, so that real DeepSpeed configs run as written.
 
-A key zeroedu knows is checked for type and range. A misspelt key is an error that names the closest valid
-key. A real DeepSpeed key that zeroedu does not implement is an error that says so, so a graduate's config
-never silently means something else here than it does in DeepSpeed.
+Every key falls in one of four groups. Implemented keys are checked for type and range (the batch keys, the
+optimizer and `scheduler`, fp16/bf16, `zero_optimization`, the logging keys). Keys that change nothing here
+are accepted with a note saying why: hardware keys (`aio`, `pin_memory`, `fast_init`) say what they would do
+on a GPU machine. Some keys are accepted at DeepSpeed's default value only. Keys outside what zeroedu teaches
+(pipeline, MoE, compression, 1-bit optimizers, ...) are refused with the reason. A misspelt key names the
+closest valid one, and "auto" (the Hugging Face Trainer's placeholder) says which value to write. Every
+problem of a config is reported in one ConfigError, so a learner fixes them all at once.
+
+To add a key: put it in its section's parser (and dataclass), or in _NOTED, _DEFAULT_ONLY or _REFUSED.
 """
 
 from __future__ import annotations
@@ -619,6 +625,11 @@ def _parse_zero(p: _Problems, raw: dict[str, Any]) -> ZeroConfig:
     round_robin = p.get(s, raw, "round_robin_gradients", False, _bool)
     if round_robin:
         p.notes.append(_NOTED[s]["round_robin_gradients"])
+    if stage == 3 and "allgather_bucket_size" in raw:
+        p.notes.append(f"'{s}.allgather_bucket_size' is for stages 1-2; stage 3 gathers parameters unit by unit, "
+                       "sized by stage3_prefetch_bucket_size.")
+    if stage == 0 and raw.get("reduce_scatter") is False:
+        p.notes.append(f"'{s}.reduce_scatter' false changes nothing at stage 0, which all-reduces anyway.")
     if stage < 2 and p.get(s, raw, "contiguous_gradients", True, _bool) is False:
         p.notes.append(f"'{s}.contiguous_gradients' false changes nothing at stage {stage}: stages 0-1 keep the "
                        "gradients in one flat buffer, which is contiguous by construction.")

@@ -6,6 +6,10 @@ reusable bucket buffer, the parameters' .grad are freed, and the bucket is reduc
 gradient shard. That happens at every micro-step (a shard cannot hold the sum of full gradients for later),
 so with gradient accumulation stage 2 communicates once per micro-step where stages 0 and 1 wait for the
 boundary. Two bucket buffers alternate so one can fill while the other is on the wire.
+
+Two DeepSpeed switches change this: `reduce_scatter: false` all-reduces each bucket and keeps this rank's
+piece (the same gradient for twice the bytes: a step moves 3 Psi instead of 2 Psi), and `contiguous_gradients:
+false` flattens each bucket into a new tensor instead of the two reusable buffers.
 """
 
 from __future__ import annotations
