@@ -44,8 +44,8 @@ def test_same_script_same_numbers(runs):
         assert states["optimizer_state"] == 2 * states["master_weights"]
     for c in ("parameters", "master_weights", "optimizer_state"):
         assert ours["model_states"][c] == theirs["model_states"][c], c
-    # DeepSpeed's bucket buffer is reduce_bucket_size elements of bf16 however small the model is.
-    assert theirs["peak"]["gradients"] >= 30_000 * 2
+    for r in (ours, theirs):   # the tracked peak holds at least the model states and some activations
+        assert r["peak_total"] > sum(r["model_states"].values()) and r["peak"]["activations"] > 0
     for r in (ours, theirs):
         assert r["consolidated"]["same_as_engine"]
         assert "latest" in r["files"]
