@@ -1,8 +1,14 @@
-"""The config: a documented subset of DeepSpeed's JSON, parsed into frozen dataclasses.
+"""The config: DeepSpeed's JSON, parsed into frozen dataclasses, so that real DeepSpeed configs run as written.
 
-A key zeroedu knows is checked for type and range. A misspelt key is an error that names the closest valid
-key. A real DeepSpeed key that zeroedu does not implement is an error that says so, so a graduate's config
-never silently means something else here than it does in DeepSpeed.
+Every key falls in one of four groups. Implemented keys are checked for type and range (the batch keys, the
+optimizer and `scheduler`, fp16/bf16, `zero_optimization`, the logging keys). Keys that change nothing here
+are accepted with a note saying why: hardware keys (`aio`, `pin_memory`, `fast_init`) say what they would do
+on a GPU machine. Some keys are accepted at DeepSpeed's default value only. Keys outside what zeroedu teaches
+(pipeline, MoE, compression, 1-bit optimizers, ...) are refused with the reason. A misspelt key names the
+closest valid one, and "auto" (the Hugging Face Trainer's placeholder) says which value to write. Every
+problem of a config is reported in one ConfigError, so a learner fixes them all at once.
+
+To add a key: put it in its section's parser (and dataclass), or in _NOTED, _DEFAULT_ONLY or _REFUSED.
 """
 
 from __future__ import annotations
@@ -19,38 +25,220 @@ class ConfigError(ValueError):
     """A config problem, with the key that caused it and what would fix it."""
 
 
-# Real DeepSpeed keys that zeroedu deliberately does not implement, by section.
-_DEEPSPEED_NOT_IMPLEMENTED = {
+# Every DeepSpeed key zeroedu knows falls in one of four groups: implemented (parsed below), accepted with a note
+# (it changes nothing here, and the note says why), accepted at DeepSpeed's default value only, or refused with
+# the reason. A key in none of them is a typo, answered with the closest valid key.
+
+# Refused: real DeepSpeed settings outside what zeroedu implements, by section, with the reason.
+_OUT_OF_SCOPE_PARALLEL = "model parallelism, outside ZeRO's data parallelism (the only parallelism zeroedu teaches)"
+_NO_MONITOR = ("zeroedu has no monitor backends; engine.ledger, engine.memory() and engine.log_lines hold "
+               "what they would record")
+_RECIPE = "a training-recipe feature outside ZeRO"
+_REFUSED: dict[str, dict[str, str]] = {
     "": {
-        "train_batch_size", "steps_per_print", "wall_clock_breakdown", "dump_state", "scheduler",
-        "amp", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
-        "comms_logger", "autotuning", "elasticity", "pipeline", "sparse_attention", "data_efficiency",
-        "compression_training", "prescale_gradients", "gradient_predivide_factor", "communication_data_type",
-        "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "checkpoint", "aio",
-        "memory_breakdown", "sparse_gradients", "fp8", "torch_autocast", "seq_parallel_communication_data_type",
-        "tensor_parallel", "curriculum_learning", "eigenvalue", "progressive_layer_drop",
+        "pipeline": "pipeline parallelism (DeepSpeed's PipelineModule) is " + _OUT_OF_SCOPE_PARALLEL,
+        "tensor_parallel": "tensor parallelism (AutoTP) is " + _OUT_OF_SCOPE_PARALLEL,
+        "sequence_parallel_size": "sequence parallelism (Ulysses) is " + _OUT_OF_SCOPE_PARALLEL,
+        "moe": "mixture-of-experts layers and expert parallelism are " + _OUT_OF_SCOPE_PARALLEL,
+        "compression_training": "model compression (quantization-aware training, pruning) is not part of ZeRO",
+        "quantize_training": "quantization-aware training is not part of ZeRO",
+        "weight_quantization": "weight quantization for inference is not part of ZeRO",
+        "sparse_attention": "sparse attention kernels are " + _RECIPE,
+        "data_efficiency": "data sampling and routing are " + _RECIPE,
+        "curriculum_learning": "curriculum learning is " + _RECIPE,
+        "progressive_layer_drop": "progressive layer dropping is " + _RECIPE,
+        "eigenvalue": "eigenvalue-based layer scheduling is " + _RECIPE,
+        "autotuning": ("the autotuner launches many experiments through DeepSpeed's launcher; `zeroedu plan` "
+                       "reasons about the same choices from the formulas"),
+        "elasticity": ("elastic training changes the batch with the world size; zeroedu's checkpoints reshard to "
+                       "any world size instead (zeroedu.checkpoint)"),
+        "flops_profiler": "zeroedu measures bytes, not FLOPs (torch.profiler counts FLOPs)",
+        "tensorboard": _NO_MONITOR, "wandb": _NO_MONITOR, "csv_monitor": _NO_MONITOR, "comet": _NO_MONITOR,
+        "amp": "NVIDIA Apex AMP is not used here: write 'bf16' or 'fp16' instead",
+        "fp8": "fp8 training needs Transformer Engine on recent GPUs",
+        "torch_autocast": "zeroedu casts the model to the compute dtype ('bf16'/'fp16') instead of autocasting",
+        "checkpoint": ("DeepSpeed's checkpoint-engine options; zeroedu's checkpoints are always sharded, atomic "
+                       "and resharding (zeroedu.checkpoint)"),
+        "hybrid_engine": "the RLHF hybrid engine switches to inference kernels, outside ZeRO training",
+        "compile": "torch.compile of the engine is not part of zeroedu",
+        "nebula": "Nebula is Azure's asynchronous checkpoint service",
     },
     "zero_optimization": {
-        "reduce_scatter", "load_from_fp32_weights", "round_robin_gradients", "sub_group_size",
-        "stage3_max_reuse_distance", "ignore_unused_parameters",
-        "elastic_checkpoint", "mics_shard_size", "mics_hierarchical_params_gather", "memory_efficient_linear",
-        "stage3_module_granularity_threshold", "log_trace_cache_warnings",
-        "zero_quantized_nontrainable_weights", "cpu_offload", "cpu_offload_params",
-        "cpu_offload_use_pin_memory", "grad_hooks", "legacy_stage1", "use_multi_rank_bucket_allreduce",
-        "allgather_partitions", "overlap_events",
+        "cpu_offload": "the old spelling: write \"offload_optimizer\": {\"device\": \"cpu\"}",
+        "cpu_offload_params": "the old spelling: write \"offload_param\": {\"device\": \"cpu\"}",
+        "cpu_offload_use_pin_memory": "the old spelling: write \"pin_memory\" inside offload_optimizer",
+        "mics_shard_size": "MiCS (sharding within sub-groups of ranks) is a different design from ZeRO's",
+        "mics_hierarchical_params_gather": "MiCS (sharding within sub-groups of ranks) is a different design",
+        "legacy_stage1": "the legacy stage-1 implementation does not exist here",
+        "use_multi_rank_bucket_allreduce": "a DeepSpeed-internal all-reduce variant",
+        "memory_efficient_linear": "zeroedu does not replace torch.nn.Linear's autograd function",
+        "zero_quantized_nontrainable_weights": "ZeRO++ here quantizes trainable weights only",
+        "stage3_module_granularity_threshold": "zeroedu's stage-3 unit is always one module's own parameters",
+        "grad_hooks": "zeroedu's gradient hooks are always on (every stage reduces from them)",
     },
-    "fp16": {"auto_cast", "loss_scale", "consecutive_hysteresis", "fp16_master_weights_and_grads"},
-    "bf16": {"immediate_grad_update", "check_grad_overflow"},
-    "zero_optimization.offload_optimizer": {"ratio", "fast_init", "pipeline_read", "pipeline_write"},
-    "zero_optimization.offload_param": {"buffer_size", "max_in_cpu"},
+    "fp16": {
+        "auto_cast": "zeroedu casts the model to fp16 instead of autocasting its inputs",
+        "fp16_master_weights_and_grads": "zeroedu keeps fp32 master weights (the K = 12 of the paper)",
+    },
+    "bf16": {"immediate_grad_update": "zeroedu accumulates gradients in the compute dtype until the step"},
+    "zero_optimization.offload_optimizer": {
+        "ratio": "partial optimizer offload (ZeRO-Offload++) is not implemented: the whole shard moves",
+    },
+    "zero_optimization.offload_param": {},
 }
+
+# Accepted at DeepSpeed's default value (then it asks for nothing zeroedu does not do); any other value is refused.
+_DEFAULT_ONLY: dict[str, dict[str, tuple[Any, str]]] = {
+    "": {
+        "prescale_gradients": (False, "zeroedu averages inside the collective, after summing"),
+        "gradient_predivide_factor": (1.0, "zeroedu averages inside the collective, after summing"),
+        "communication_data_type": (None, "zeroedu reduces gradients in the compute dtype"),
+        "sparse_gradients": (False, "zeroedu reduces dense gradients only"),
+        "seq_parallel_communication_data_type": (None, "sequence parallelism is not implemented"),
+    },
+    "zero_optimization": {
+        "ignore_unused_parameters": (True, "zeroedu always reduces zeros for a parameter without a gradient"),
+        "load_from_fp32_weights": (True, "zeroedu's checkpoints always restore the fp32 master weights"),
+        "allgather_partitions": (True, "zeroedu always all-gathers the updated parameters"),
+        "log_trace_cache_warnings": (False, "zeroedu's stage 3 re-records its trace only on the first step"),
+    },
+    "bf16": {"check_grad_overflow": (False, "bf16 steps are not checked for overflow here, as by default in "
+                                            "DeepSpeed")},
+}
+
+# Accepted with a note: the key changes nothing here; the note says what it does in DeepSpeed and why.
+_GPU = "on a GPU machine"
+_NOTED: dict[str, dict[str, str]] = {
+    "": {
+        "aio": f"'aio' tunes libaio's NVMe reads and writes (block size, queue depth) {_GPU}; zeroedu's NVMe tier "
+               "uses ordinary file reads and writes",
+        "zero_allow_untested_optimizer": "zeroedu takes Adam, AdamW and SGD only; any other optimizer is an error",
+        "zero_force_ds_cpu_optimizer": "the CPU step is torch's own fused Adam here (DeepSpeed's CPUAdam is a "
+                                       "C++ extension)",
+    },
+    "zero_optimization": {
+        "round_robin_gradients": "with CPU offload DeepSpeed reorders a bucket's gradients so that every rank "
+                                 "copies an equal share to the host; here every rank's piece of every bucket is "
+                                 "already the same size (flat layout), so there is nothing to balance",
+        "elastic_checkpoint": "zeroedu's checkpoints load at any world size anyway (zeroedu.checkpoint)",
+        "stage3_max_reuse_distance": "not implemented: zeroedu releases a unit after its last use in forward and "
+                                     "gathers it again for backward (3 Psi per step); DeepSpeed keeps a parameter "
+                                     "gathered if it is used again within this many elements",
+    },
+    "zero_optimization.offload_optimizer": {
+        "fast_init": f"'fast_init' speeds up creating the optimizer state on NVMe {_GPU}; the result is the same",
+        "pipeline_read": f"'pipeline_read' overlaps NVMe reads with the step {_GPU}; here reads are already "
+                         "overlapped with the previous sub-group's step",
+        "pipeline_write": f"'pipeline_write' overlaps NVMe writes with the step {_GPU}",
+        "pipeline": f"'pipeline' overlaps NVMe reads and writes with the step {_GPU}",
+    },
+    "zero_optimization.offload_param": {
+        "buffer_size": f"'buffer_size' sizes the pinned staging buffers for NVMe parameter reads {_GPU}",
+        "max_in_cpu": f"'max_in_cpu' keeps up to this many parameters in host memory before NVMe {_GPU}",
+    },
+}
+_PIN_NOTE = ("'{where}.pin_memory' page-locks the host buffers so copies to and from the GPU run at full PCIe "
+             "speed and overlap compute " + _GPU + "; on CPU ranks there is nothing to pin")
+
+# What the Hugging Face Trainer writes in place of "auto" (HF docs, "DeepSpeed" integration page).
+_AUTO_FILLS = {
+    "train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+    "train_batch_size": "per_device_train_batch_size x gradient_accumulation_steps x world size",
+    "gradient_accumulation_steps": "--gradient_accumulation_steps",
+    "gradient_clipping": "--max_grad_norm (1.0 by default)",
+    "optimizer.params.lr": "--learning_rate", "optimizer.params.betas": "[--adam_beta1, --adam_beta2]",
+    "optimizer.params.eps": "--adam_epsilon", "optimizer.params.weight_decay": "--weight_decay",
+    "scheduler.params.warmup_min_lr": "0", "scheduler.params.warmup_max_lr": "--learning_rate",
+    "scheduler.params.warmup_num_steps": "--warmup_steps",
+    "scheduler.params.total_num_steps": "the number of optimizer steps the Trainer will take",
+    "fp16.enabled": "--fp16", "bf16.enabled": "--bf16",
+    "zero_optimization.reduce_bucket_size": "hidden_size x hidden_size",
+    "zero_optimization.stage3_prefetch_bucket_size": "0.9 x hidden_size x hidden_size",
+    "zero_optimization.stage3_param_persistence_threshold": "10 x hidden_size",
+}
+
+
+def _auto_problem(where: str) -> str:
+    fill = _AUTO_FILLS.get(where, "the value you mean")
+    return (f"'{where}' is \"auto\": a placeholder that the Hugging Face Trainer replaces before DeepSpeed reads "
+            f"the config. Outside the Trainer, write the value yourself (the Trainer would write {fill}).")
+
+
+class _Problems:
+    """Everything wrong with a config, collected so that one error reports all of it; and the notes."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.notes: list[str] = []
+
+    def get(self, section: str, raw: dict[str, Any], key: str, default: Any, check=None, *args) -> Any:
+        """raw[key] checked by `check(section, key, value, *args)`, or the default (and a problem recorded)."""
+        if key not in raw:
+            return default
+        value = raw[key]
+        if isinstance(value, str) and value == "auto":
+            self.errors.append(_auto_problem(_where(section, key)))
+            return default
+        if check is None:
+            return value
+        try:
+            return check(section, key, value, *args)
+        except ConfigError as e:
+            self.errors.append(str(e))
+            return default
+
+    def keys(self, section: str, given: dict[str, Any], known: set[str]) -> None:
+        """Every key of `given` is implemented, noted, at a default, or a problem (refused or a typo)."""
+        for key, value in given.items():
+            if key in known:
+                continue
+            where = _where(section, key)
+            if key in _NOTED.get(section, {}):
+                self.notes.append(_NOTED[section][key])
+            elif key in _DEFAULT_ONLY.get(section, {}):
+                default, reason = _DEFAULT_ONLY[section][key]
+                if value != default:
+                    self.errors.append(f"'{where}' is a real DeepSpeed setting that zeroedu does not implement "
+                                       f"other than at its default {json.dumps(default)}: {reason}. Remove it or "
+                                       f"set it to {json.dumps(default)}.")
+            elif key in _REFUSED.get(section, {}):
+                if isinstance(value, dict) and value.get("enabled") is False:
+                    continue  # a feature switched off asks for nothing
+                self.errors.append(f"'{where}' is a real DeepSpeed setting that zeroedu does not implement: "
+                                   f"{_REFUSED[section][key]}. Remove it to run here.")
+            else:
+                close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.5)
+                hint = f" Did you mean '{_where(section, close[0])}'?" if close else ""
+                self.errors.append(f"unknown config key '{where}'.{hint} Valid keys here: "
+                                   f"{', '.join(sorted(known))}.")
+
+    def section(self, raw: dict[str, Any], key: str, parent: str = "") -> dict[str, Any]:
+        value = raw.get(key, {})
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            self.errors.append(f"'{_where(parent, key)}' must be a JSON object (a dict), got {type(value).__name__}.")
+            return {}
+        return value
+
+    def raise_if_any(self) -> None:
+        if len(self.errors) == 1:
+            raise ConfigError(self.errors[0])
+        if self.errors:
+            listed = "\n".join(f"  {i}. {e}" for i, e in enumerate(self.errors, 1))
+            raise ConfigError(f"{len(self.errors)} problems in this config, each with its fix:\n{listed}")
+
 
 _OPTIMIZERS = {
     "Adam": {"lr", "betas", "eps", "weight_decay", "amsgrad"},
     "AdamW": {"lr", "betas", "eps", "weight_decay", "amsgrad"},
     "SGD": {"lr", "momentum", "weight_decay", "nesterov", "dampening"},
 }
-_DEEPSPEED_OPTIMIZERS = {"OneBitAdam", "OneBitLamb", "ZeroOneAdam", "Lamb", "Lion", "MuAdam", "MuAdamW"}
+# DeepSpeed's own spellings in an Adam section: adam_w_mode (Adam's weight decay is decoupled unless it is false),
+# torch_adam (use torch's kernel: zeroedu always does), bias_correction (always on in torch).
+_ADAM_EXTRAS = {"adam_w_mode", "torch_adam", "bias_correction"}
+_DEEPSPEED_OPTIMIZERS = {"OneBitAdam", "OneBitLamb", "ZeroOneAdam", "Lamb", "Lion", "MuAdam", "MuAdamW", "MuSGD",
+                         "Muon", "Adagrad", "CPUAdam", "FusedAdam"}
 
 
 @dataclass(frozen=True)
@@ -64,12 +252,28 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    """`scheduler`: one of DeepSpeed's schedules (zeroedu.schedulers), stepped by engine.step()."""
+
+    type: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class FP16Config:
+    """fp16 loss scaling as DeepSpeed spells it: loss_scale 0 is dynamic, any other value a fixed scale."""
+
     enabled: bool = False
+    loss_scale: float = 0.0
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
+
+    @property
+    def dynamic(self) -> bool:
+        return self.loss_scale == 0
 
 
 @dataclass(frozen=True)
@@ -77,6 +281,15 @@ class BF16Config:
     enabled: bool = False
 
 
+@dataclass(frozen=True)
+class CommsLoggerConfig:
+    """`comms_logger`: verbose prints each collective of a step after it; log_summary() prints the totals."""
+
+    enabled: bool = False
+    verbose: bool = False
+    prof_all: bool = True
+    prof_ops: tuple[str, ...] = ()
+    debug: bool = False
 @dataclass(frozen=True)
 class OffloadConfig:
     """`offload_optimizer` / `offload_param`: where a tier lives. Parsed here, used by zeroedu.offload.
@@ -96,12 +309,21 @@ class OffloadConfig:
 class ZeroConfig:
     stage: int = 0
     reduce_bucket_size: int = 50_000_000
-    allgather_bucket_size: int = 50_000_000
+    # None: one all-gather per reduce bucket after the step (zeroedu's default); a number: all-gathers of at most
+    # this many elements, whatever the reduce buckets are, as DeepSpeed's stages 1-2 cut them.
+    allgather_bucket_size: int | None = None
     overlap_comm: bool = True
+    # Stage 2-3: reduce buckets are two reusable buffers (True) or a fresh flattened tensor per bucket (False).
     contiguous_gradients: bool = True
+    # Stages 1-3: reduce-scatter each gradient bucket (True), or all-reduce it and keep this rank's piece (False).
+    reduce_scatter: bool = True
+    # The optimizer step runs over sub-groups of master pieces of at most this many elements, one at a time.
+    sub_group_size: int = 1_000_000_000
+    round_robin_gradients: bool = False
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
     stage3_max_live_parameters: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=lambda: OffloadConfig(buffer_count=5))
     zero_quantized_weights: bool = False
@@ -111,8 +333,11 @@ class ZeroConfig:
 
     @property
     def bucket_numel(self) -> int:
-        """One bucket layout serves both directions, so it is the smaller of the two sizes."""
-        return min(self.reduce_bucket_size, self.allgather_bucket_size)
+        """The smaller of the two bucket sizes."""
+        return min(self.reduce_bucket_size, self.allgather_bucket_size or self.reduce_bucket_size)
+
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 @dataclass(frozen=True)
@@ -137,6 +362,13 @@ class DataTypesConfig:
     "fp16"); None means the compute dtype, as without the section."""
 
     grad_accum_dtype: str | None = None
+
+
+def _check_keys(section: str, given: dict[str, Any], known: set[str]) -> None:
+    """One section's keys on their own: its problems raised at once (the sections parsed after the rest)."""
+    p = _Problems()
+    p.keys(section, given, known)
+    p.raise_if_any()
 
 
 def _parse_activation_checkpointing(raw: dict[str, Any]) -> ActivationCheckpointingConfig:
@@ -171,15 +403,29 @@ def _parse_data_types(raw: dict[str, Any]) -> DataTypesConfig:
 class Config:
     train_micro_batch_size_per_gpu: int = 1
     gradient_accumulation_steps: int = 1
+    # train_batch_size = micro x accumulation x world size: known once the world size is (Config.for_world).
+    train_batch_size: int | None = None
     gradient_clipping: float = 0.0
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig | None = None
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    # Logging, as DeepSpeed's keys: every `steps_per_print` optimizer steps rank 0 prints step, loss, lr and loss
+    # scale; wall_clock_breakdown and memory_breakdown print every step; comms_logger (see CommsLoggerConfig).
+    steps_per_print: int | None = None
+    wall_clock_breakdown: bool = False
+    memory_breakdown: bool = False
+    comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
+    dump_state: bool = False
     # zeroedu's own switch (not a DeepSpeed key): which collective implementation runs on gloo.
     comm_implementation: str = "auto"
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
+    # Which of the three batch keys the config wrote (the others are derived by for_world).
+    batch_keys_given: tuple[str, ...] = ()
+    # What the config asked for that changes nothing here, and why (rank 0 prints them at initialize).
+    notes: tuple[str, ...] = ()
 
     @property
     def precision(self) -> str:
@@ -194,26 +440,51 @@ class Config:
 
         return dataclasses.asdict(self)
 
+    def for_world(self, world_size: int) -> Config:
+        """The three batch sizes for `world_size` ranks, as DeepSpeed derives them: any two give the third (one
+        alone: no accumulation). An inconsistent set is an error that shows the arithmetic."""
+        import dataclasses
+
+        given = {k: getattr(self, k) for k in self.batch_keys_given}
+        if "train_batch_size" not in given:
+            micro, accum = self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+            return dataclasses.replace(self, train_batch_size=micro * accum * world_size)
+        tbs = given["train_batch_size"]
+        micro, accum = given.get("train_micro_batch_size_per_gpu"), given.get("gradient_accumulation_steps")
+        if micro is not None and accum is None:
+            accum = tbs // micro // world_size
+        elif micro is None:
+            accum = accum or 1
+            micro = tbs // world_size // accum
+        if micro * accum * world_size != tbs or micro < 1 or accum < 1:
+            raise ConfigError(_batch_problem(tbs, given, micro, accum, world_size))
+        return dataclasses.replace(self, train_batch_size=tbs, train_micro_batch_size_per_gpu=micro,
+                                   gradient_accumulation_steps=accum)
+
+
+def _batch_problem(tbs: int, given: dict[str, int], micro: int, accum: int, world: int) -> str:
+    """Why train_batch_size does not split, with the arithmetic and the nearest sizes that do."""
+    if len(given) == 3:
+        got = micro * accum * world
+        return (f"train_batch_size must equal train_micro_batch_size_per_gpu x gradient_accumulation_steps x world "
+                f"size: {micro} x {accum} x {world} = {got}, but train_batch_size is {tbs}. Write "
+                f"train_batch_size {got}, or leave one of the three out and it is derived.")
+    if "train_micro_batch_size_per_gpu" in given:
+        unit, what = micro * world, "train_micro_batch_size_per_gpu x world size"
+        factors = f"{micro} x {world}"
+    else:
+        unit, what = accum * world, "gradient_accumulation_steps x world size"
+        factors = f"{accum} x {world}"
+    lower, upper = max(unit, tbs // unit * unit), (tbs // unit + 1) * unit
+    return (f"train_batch_size {tbs} does not split over {what} = {factors} = {unit}: {tbs} / {unit} = "
+            f"{tbs / unit:g} is not a whole number >= 1. Write train_batch_size {lower} or {upper}, or change the "
+            f"others so that train_batch_size = micro batch x accumulation steps x world size.")
+
 
 # ---- validation helpers -------------------------------------------------------------------------------
 
 def _where(section: str, key: str) -> str:
     return f"{section}.{key}" if section else key
-
-
-def _check_keys(section: str, given: dict[str, Any], known: set[str]) -> None:
-    for key in given:
-        if key in known:
-            continue
-        where = _where(section, key)
-        if key in _DEEPSPEED_NOT_IMPLEMENTED.get(section, set()):
-            raise ConfigError(
-                f"'{where}' is a real DeepSpeed setting that zeroedu does not implement; remove it to run "
-                f"here (zeroedu implements in this section: {', '.join(sorted(known))})."
-            )
-        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.5)
-        hint = f" Did you mean '{_where(section, close[0])}'?" if close else ""
-        raise ConfigError(f"unknown config key '{where}'.{hint} Valid keys here: {', '.join(sorted(known))}.")
 
 
 def _bool(section: str, key: str, value: Any) -> bool:
@@ -264,113 +535,224 @@ def _section(raw: dict[str, Any], key: str) -> dict[str, Any]:
     return value
 
 
-def _parse_optimizer(raw: dict[str, Any]) -> OptimizerConfig:
-    _check_keys("optimizer", raw, {"type", "params"})
+def _choice(section: str, key: str, value: Any, choices: tuple) -> Any:
+    if value not in choices:
+        listed = ', '.join(map(repr, choices[:-1])) + f' or {choices[-1]!r}'
+        raise ConfigError(f"'{_where(section, key)}' must be {listed}, got {value!r}.")
+    return value
+
+
+# ---- sections -----------------------------------------------------------------------------------------
+
+def _parse_optimizer(p: _Problems, raw: dict[str, Any]) -> OptimizerConfig:
+    s = "optimizer"
+    p.keys(s, raw, {"type", "params"})
     kind = raw.get("type", "Adam")
     if kind in _DEEPSPEED_OPTIMIZERS:
-        raise ConfigError(
-            f"'optimizer.type' {kind!r} is a DeepSpeed optimizer that zeroedu does not implement; "
-            f"use one of {', '.join(_OPTIMIZERS)}."
-        )
+        reason = ("communication-compressed (1-bit) optimizers are not part of ZeRO" if "One" in str(kind)
+                  else "zeroedu implements torch's Adam, AdamW and SGD")
+        p.errors.append(f"'optimizer.type' {kind!r} is a DeepSpeed optimizer that zeroedu does not implement: "
+                        f"{reason}; use one of {', '.join(_OPTIMIZERS)}.")
+        return OptimizerConfig()
     if kind not in _OPTIMIZERS:
         close = difflib.get_close_matches(str(kind), list(_OPTIMIZERS), n=1, cutoff=0.4)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"'optimizer.type' must be one of {', '.join(_OPTIMIZERS)}, got {kind!r}.{hint}")
-    params = raw.get("params", {"lr": 1e-3})
-    if not isinstance(params, dict):
-        raise ConfigError("'optimizer.params' must be a JSON object (a dict).")
-    _check_keys("optimizer.params", params, _OPTIMIZERS[kind])
-    for key, value in params.items():
+        p.errors.append(f"'optimizer.type' must be one of {', '.join(_OPTIMIZERS)}, got {kind!r}.{hint}")
+        return OptimizerConfig()
+    params = p.section(raw, "params", s)
+    ps = "optimizer.params"
+    extras = _ADAM_EXTRAS if kind in ("Adam", "AdamW") else set()
+    p.keys(ps, params, _OPTIMIZERS[kind] | extras)
+    out: dict[str, Any] = {}
+    for key in params:
+        if key not in _OPTIMIZERS[kind]:
+            continue
         if key == "betas":
-            ok = isinstance(value, list | tuple) and len(value) == 2
-            if not ok or not all(isinstance(b, int | float) and 0 <= b < 1 for b in value):
-                raise ConfigError(f"'optimizer.params.betas' must be two numbers in [0, 1), got {value!r}.")
+            out[key] = p.get(ps, params, key, None, _betas)
         elif key in {"amsgrad", "nesterov"}:
-            _bool("optimizer.params", key, value)
+            out[key] = p.get(ps, params, key, False, _bool)
         else:
-            _float("optimizer.params", key, value, 0.0)
-    if "betas" in params:
-        params = {**params, "betas": tuple(params["betas"])}
-    return OptimizerConfig(type=kind, params=dict(params))
+            out[key] = p.get(ps, params, key, 0.0, _float, 0.0)
+    out = {k: v for k, v in out.items() if v is not None}
+    if "lr" not in params:
+        out["lr"] = 1e-3
+    if p.get(ps, params, "torch_adam", False, _bool):
+        p.notes.append("'optimizer.params.torch_adam': zeroedu always runs torch's Adam kernel.")
+    if not p.get(ps, params, "bias_correction", True, _bool):
+        p.errors.append("'optimizer.params.bias_correction' false is not implemented (torch's Adam always corrects "
+                        "the bias). Remove it.")
+    adam_w_mode = p.get(ps, params, "adam_w_mode", True, _bool)
+    if kind == "AdamW" and not adam_w_mode:
+        p.errors.append("'optimizer.params.adam_w_mode' is false for AdamW: write type \"Adam\" for L2 weight decay.")
+    if kind == "Adam" and out.get("weight_decay", 0.0) > 0 and adam_w_mode:
+        # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is false: that is torch's AdamW.
+        kind = "AdamW"
+        p.notes.append("'optimizer.type' Adam with weight_decay: DeepSpeed's Adam decouples weight decay "
+                       "(adam_w_mode defaults to true), so it runs as torch's AdamW here too.")
+    return OptimizerConfig(type=kind, params=out)
 
 
-def _parse_offload(section: str, raw: Any, keys: set[str], buffer_count: int) -> OffloadConfig:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"'{section}' must be a JSON object (a dict).")
-    _check_keys(section, raw, keys)
-    device = raw.get("device", "none")
-    if device not in {"none", "cpu", "nvme"}:
-        raise ConfigError(f"'{section}.device' must be 'none', 'cpu' or 'nvme', got {device!r}.")
-    nvme_path = raw.get("nvme_path")
-    if nvme_path is not None and not isinstance(nvme_path, str):
-        raise ConfigError(f"'{section}.nvme_path' must be a path string, got {nvme_path!r}.")
-    if device == "nvme" and not nvme_path:
-        raise ConfigError(f"'{section}.device' is 'nvme' but '{section}.nvme_path' is not set: name a folder.")
-    return OffloadConfig(
-        device=device,
-        pin_memory=_bool(section, "pin_memory", raw.get("pin_memory", False)),
-        nvme_path=nvme_path,
-        buffer_count=_int(section, "buffer_count", raw.get("buffer_count", buffer_count), 1),
+def _betas(section: str, key: str, value: Any) -> tuple[float, float]:
+    ok = isinstance(value, list | tuple) and len(value) == 2
+    if not ok or not all(isinstance(b, int | float) and not isinstance(b, bool) and 0 <= b < 1 for b in value):
+        raise ConfigError(f"'{_where(section, key)}' must be two numbers in [0, 1), got {value!r}.")
+    return (float(value[0]), float(value[1]))
+
+
+def _parse_scheduler(p: _Problems, raw: dict[str, Any]) -> SchedulerConfig | None:
+    from zeroedu import schedulers
+
+    s = "scheduler"
+    p.keys(s, raw, {"type", "params"})
+    kind = raw.get("type")
+    if kind not in schedulers.PARAMS:
+        close = difflib.get_close_matches(str(kind), list(schedulers.PARAMS), n=1, cutoff=0.4)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        p.errors.append(f"'scheduler.type' must be one of {', '.join(schedulers.PARAMS)}, got {kind!r}.{hint}")
+        return None
+    params = p.section(raw, "params", s)
+    ps = "scheduler.params"
+    allowed = schedulers.PARAMS[kind]
+    p.keys(ps, params, set(allowed))
+    out: dict[str, Any] = {}
+    for key in allowed:
+        if key not in params:
+            if allowed[key] is None and key != "cycle_second_step_size" and key != "cycle_second_stair_count":
+                p.errors.append(f"'{ps}.{key}' is required by {kind}: add it.")
+            continue
+        if isinstance(params[key], list | tuple):
+            p.errors.append(f"'{ps}.{key}' must be one number: zeroedu's engine has one parameter group.")
+        elif key == "warmup_type":
+            out[key] = p.get(ps, params, key, "log", _choice, ("log", "linear"))
+        elif key in schedulers.SWITCHES:
+            out[key] = p.get(ps, params, key, allowed[key], _bool)
+        elif key in schedulers.COUNTS:
+            lo = -1 if key == "last_batch_iteration" else 0 if "stair" in key or key == "decay_step_size" else 1
+            out[key] = p.get(ps, params, key, 1, _int, lo)
+        else:
+            out[key] = p.get(ps, params, key, 0.0, _float, 0.0)
+    return SchedulerConfig(type=kind, params=out)
+
+
+def _parse_fp16(p: _Problems, raw: dict[str, Any]) -> FP16Config:
+    s, d = "fp16", FP16Config()
+    p.keys(s, raw, {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                    "consecutive_hysteresis", "min_loss_scale"})
+    return FP16Config(
+        enabled=p.get(s, raw, "enabled", False, _bool),
+        loss_scale=p.get(s, raw, "loss_scale", d.loss_scale, _float, 0.0),
+        initial_scale_power=p.get(s, raw, "initial_scale_power", d.initial_scale_power, _int, 0, 64),
+        loss_scale_window=p.get(s, raw, "loss_scale_window", d.loss_scale_window, _int, 1),
+        hysteresis=p.get(s, raw, "hysteresis", d.hysteresis, _int, 1),
+        consecutive_hysteresis=p.get(s, raw, "consecutive_hysteresis", False, _bool),
+        min_loss_scale=p.get(s, raw, "min_loss_scale", d.min_loss_scale, _float, 0.0),
     )
 
 
-def _parse_zero(raw: dict[str, Any]) -> ZeroConfig:
-    s = "zero_optimization"
+def _parse_comms_logger(p: _Problems, raw: dict[str, Any]) -> CommsLoggerConfig:
+    s = "comms_logger"
+    p.keys(s, raw, {"enabled", "verbose", "prof_all", "prof_ops", "debug"})
+    ops = p.get(s, raw, "prof_ops", [])
+    if not isinstance(ops, list | tuple) or not all(isinstance(o, str) for o in ops):
+        p.errors.append(f"'comms_logger.prof_ops' must be a list of collective names, got {ops!r}.")
+        ops = []
+    return CommsLoggerConfig(enabled=p.get(s, raw, "enabled", False, _bool),
+                             verbose=p.get(s, raw, "verbose", False, _bool),
+                             prof_all=p.get(s, raw, "prof_all", True, _bool), prof_ops=tuple(ops),
+                             debug=p.get(s, raw, "debug", False, _bool))
+
+
+def _parse_offload(p: _Problems, section: str, raw: dict[str, Any], buffer_count: int) -> OffloadConfig:
+    p.keys(section, raw, {"device", "pin_memory", "nvme_path", "buffer_count"})
+    device = p.get(section, raw, "device", "none", _choice, ("none", "cpu", "nvme"))
+    nvme_path = raw.get("nvme_path")
+    if nvme_path is not None and not isinstance(nvme_path, str):
+        p.errors.append(f"'{section}.nvme_path' must be a path string, got {nvme_path!r}.")
+        nvme_path = None
+    if device == "nvme" and not nvme_path:
+        p.errors.append(f"'{section}.device' is 'nvme' but '{section}.nvme_path' is not set: name a folder.")
+    pin = p.get(section, raw, "pin_memory", False, _bool)
+    if pin:
+        p.notes.append(_PIN_NOTE.format(where=section))
+    return OffloadConfig(device=device, pin_memory=pin, nvme_path=nvme_path,
+                         buffer_count=p.get(section, raw, "buffer_count", buffer_count, _int, 1))
+
+
+def _parse_zero(p: _Problems, raw: dict[str, Any]) -> ZeroConfig:
+    s, d = "zero_optimization", ZeroConfig()
     known = {
         "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
-        "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
-        "offload_optimizer", "offload_param", "zero_quantized_weights", "zero_quantized_gradients",
-        "zero_hpz_partition_size", "stage3_gather_16bit_weights_on_model_save",
+        "reduce_scatter", "sub_group_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+        "stage3_max_live_parameters", "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save", "offload_optimizer", "offload_param", "zero_quantized_weights",
+        "zero_quantized_gradients", "zero_hpz_partition_size",
     }
-    _check_keys(s, raw, known)
-    d = ZeroConfig()
-    stage = _int(s, "stage", raw.get("stage", d.stage), 0, 3)
-    off_opt = _parse_offload(f"{s}.offload_optimizer", raw.get("offload_optimizer", {}),
-                             {"device", "pin_memory", "nvme_path", "buffer_count"}, d.offload_optimizer.buffer_count)
-    off_par = _parse_offload(f"{s}.offload_param", raw.get("offload_param", {}),
-                             {"device", "pin_memory", "nvme_path", "buffer_count"}, d.offload_param.buffer_count)
+    p.keys(s, raw, known)
+    stage = p.get(s, raw, "stage", d.stage, _int, 0, 3)
+    off_opt = _parse_offload(p, f"{s}.offload_optimizer", p.section(raw, "offload_optimizer", s),
+                             d.offload_optimizer.buffer_count)
+    off_par = _parse_offload(p, f"{s}.offload_param", p.section(raw, "offload_param", s), d.offload_param.buffer_count)
     if off_opt.device != "none" and stage == 0:
-        raise ConfigError(
-            f"'{s}.offload_optimizer' needs ZeRO stage 1, 2 or 3 (the optimizer state must be partitioned "
-            f"to be offloaded); got stage 0. Set '{s}.stage' to 1 or more."
-        )
+        p.errors.append(f"'{s}.offload_optimizer' needs ZeRO stage 1, 2 or 3 (the optimizer state must be "
+                        f"partitioned to be offloaded); got stage 0. Set '{s}.stage' to 1 or more.")
     if off_par.device != "none" and stage != 3:
-        raise ConfigError(
-            f"'{s}.offload_param' works only at stage 3 (only stage 3 partitions parameters); got stage "
-            f"{stage}. Set '{s}.stage' to 3 or remove offload_param."
-        )
-    qw = _bool(s, "zero_quantized_weights", raw.get("zero_quantized_weights", False))
-    qg = _bool(s, "zero_quantized_gradients", raw.get("zero_quantized_gradients", False))
-    hpz = _int(s, "zero_hpz_partition_size", raw.get("zero_hpz_partition_size", 1), 1)
+        p.errors.append(f"'{s}.offload_param' works only at stage 3 (only stage 3 partitions parameters); got "
+                        f"stage {stage}. Set '{s}.stage' to 3 or remove offload_param.")
+    qw = p.get(s, raw, "zero_quantized_weights", False, _bool)
+    qg = p.get(s, raw, "zero_quantized_gradients", False, _bool)
+    hpz = p.get(s, raw, "zero_hpz_partition_size", 1, _int, 1)
     if (qw or qg or hpz > 1) and stage != 3:
-        raise ConfigError(f"ZeRO++ ('zero_quantized_weights', 'zero_quantized_gradients', "
-                          f"'zero_hpz_partition_size') works at stage 3 only; got stage {stage}.")
+        p.errors.append(f"ZeRO++ ('zero_quantized_weights', 'zero_quantized_gradients', "
+                        f"'zero_hpz_partition_size') works at stage 3 only; got stage {stage}.")
+    gather16 = p.get(s, raw, "stage3_gather_16bit_weights_on_model_save", False, _bool)
+    gather16 = p.get(s, raw, "stage3_gather_fp16_weights_on_model_save", gather16, _bool)   # the older spelling
+    round_robin = p.get(s, raw, "round_robin_gradients", False, _bool)
+    if round_robin:
+        p.notes.append(_NOTED[s]["round_robin_gradients"])
+    if stage == 3 and "allgather_bucket_size" in raw:
+        p.notes.append(f"'{s}.allgather_bucket_size' is for stages 1-2; stage 3 gathers parameters unit by unit, "
+                       "sized by stage3_prefetch_bucket_size.")
+    if stage == 0 and raw.get("reduce_scatter") is False:
+        p.notes.append(f"'{s}.reduce_scatter' false changes nothing at stage 0, which all-reduces anyway.")
+    if stage < 2 and p.get(s, raw, "contiguous_gradients", True, _bool) is False:
+        p.notes.append(f"'{s}.contiguous_gradients' false changes nothing at stage {stage}: stages 0-1 keep the "
+                       "gradients in one flat buffer, which is contiguous by construction.")
     return ZeroConfig(
         stage=stage,
-        reduce_bucket_size=_int(s, "reduce_bucket_size", raw.get("reduce_bucket_size", d.reduce_bucket_size), 1),
-        allgather_bucket_size=_int(
-            s, "allgather_bucket_size", raw.get("allgather_bucket_size", d.allgather_bucket_size), 1),
-        overlap_comm=_bool(s, "overlap_comm", raw.get("overlap_comm", d.overlap_comm)),
-        contiguous_gradients=_bool(s, "contiguous_gradients", raw.get("contiguous_gradients", True)),
-        stage3_prefetch_bucket_size=_int(
-            s, "stage3_prefetch_bucket_size", raw.get("stage3_prefetch_bucket_size", d.stage3_prefetch_bucket_size), 0),
-        stage3_param_persistence_threshold=_int(
-            s, "stage3_param_persistence_threshold",
-            raw.get("stage3_param_persistence_threshold", d.stage3_param_persistence_threshold), 0),
-        stage3_max_live_parameters=_int(
-            s, "stage3_max_live_parameters", raw.get("stage3_max_live_parameters", d.stage3_max_live_parameters), 1),
+        reduce_bucket_size=p.get(s, raw, "reduce_bucket_size", d.reduce_bucket_size, _int, 1),
+        allgather_bucket_size=p.get(s, raw, "allgather_bucket_size", None, _int, 1),
+        overlap_comm=p.get(s, raw, "overlap_comm", d.overlap_comm, _bool),
+        contiguous_gradients=p.get(s, raw, "contiguous_gradients", True, _bool),
+        reduce_scatter=p.get(s, raw, "reduce_scatter", True, _bool),
+        sub_group_size=p.get(s, raw, "sub_group_size", d.sub_group_size, _int, 1),
+        round_robin_gradients=round_robin,
+        stage3_prefetch_bucket_size=p.get(s, raw, "stage3_prefetch_bucket_size", d.stage3_prefetch_bucket_size,
+                                          _int, 0),
+        stage3_param_persistence_threshold=p.get(s, raw, "stage3_param_persistence_threshold",
+                                                 d.stage3_param_persistence_threshold, _int, 0),
+        stage3_max_live_parameters=p.get(s, raw, "stage3_max_live_parameters", d.stage3_max_live_parameters,
+                                         _int, 1),
+        stage3_gather_16bit_weights_on_model_save=gather16,
         offload_optimizer=off_opt,
         offload_param=off_par,
         zero_quantized_weights=qw,
         zero_quantized_gradients=qg,
         zero_hpz_partition_size=hpz,
-        stage3_gather_16bit_weights_on_model_save=_bool(s, "stage3_gather_16bit_weights_on_model_save", raw.get(
-            "stage3_gather_16bit_weights_on_model_save", False)),
     )
 
 
+_TOP = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+    "optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "steps_per_print", "wall_clock_breakdown",
+    "memory_breakdown", "comms_logger", "dump_state", "comm_implementation", "activation_checkpointing", "data_types",
+}
+
+
 def load_config(config: dict[str, Any] | str | os.PathLike | Config | None) -> Config:
-    """Parse a DeepSpeed-style config (a dict, or a path to a JSON file) into a frozen `Config`."""
+    """Parse a DeepSpeed config (a dict, or a path to a JSON file) into a frozen `Config`.
+
+    Every problem is collected and reported in one ConfigError, each with its fix.
+    """
     if isinstance(config, Config):
         return config
     if config is None:
@@ -387,45 +769,39 @@ def load_config(config: dict[str, Any] | str | os.PathLike | Config | None) -> C
     if not isinstance(config, dict):
         raise ConfigError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}.")
     _refuse_non_finite(config)
-    top = {
-        "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping", "optimizer",
-        "fp16", "bf16", "zero_optimization", "comm_implementation", "activation_checkpointing", "data_types",
-    }
-    _check_keys("", config, top)
+    p = _Problems()
+    p.keys("", config, _TOP)
 
-    fp16_raw = _section(config, "fp16")
-    _check_keys("fp16", fp16_raw, {"enabled", "initial_scale_power", "loss_scale_window", "hysteresis",
-                                   "min_loss_scale"})
-    fd = FP16Config()
-    fp16 = FP16Config(
-        enabled=_bool("fp16", "enabled", fp16_raw.get("enabled", False)),
-        initial_scale_power=_int("fp16", "initial_scale_power", fp16_raw.get("initial_scale_power",
-                                                                          fd.initial_scale_power), 0, 64),
-        loss_scale_window=_int("fp16", "loss_scale_window", fp16_raw.get("loss_scale_window",
-                                                                      fd.loss_scale_window), 1),
-        hysteresis=_int("fp16", "hysteresis", fp16_raw.get("hysteresis", fd.hysteresis), 1),
-        min_loss_scale=_float("fp16", "min_loss_scale", fp16_raw.get("min_loss_scale", fd.min_loss_scale), 0.0),
-    )
-    bf16_raw = _section(config, "bf16")
-    _check_keys("bf16", bf16_raw, {"enabled"})
-    bf16 = BF16Config(enabled=_bool("bf16", "enabled", bf16_raw.get("enabled", False)))
+    fp16 = _parse_fp16(p, p.section(config, "fp16"))
+    bf16_raw = p.section(config, "bf16")
+    p.keys("bf16", bf16_raw, {"enabled"})
+    bf16 = BF16Config(enabled=p.get("bf16", bf16_raw, "enabled", False, _bool))
     if fp16.enabled and bf16.enabled:
-        raise ConfigError("'fp16.enabled' and 'bf16.enabled' are both true: choose one precision.")
+        p.errors.append("'fp16.enabled' and 'bf16.enabled' are both true: choose one precision.")
 
-    impl = config.get("comm_implementation", "auto")
-    if impl not in {"auto", "ring", "native"}:
-        raise ConfigError(f"'comm_implementation' must be 'auto', 'ring' or 'native', got {impl!r}.")
-    return Config(
-        train_micro_batch_size_per_gpu=_int("", "train_micro_batch_size_per_gpu",
-                                            config.get("train_micro_batch_size_per_gpu", 1), 1),
-        gradient_accumulation_steps=_int("", "gradient_accumulation_steps",
-                                         config.get("gradient_accumulation_steps", 1), 1),
-        gradient_clipping=_float("", "gradient_clipping", config.get("gradient_clipping", 0.0), 0.0),
-        optimizer=_parse_optimizer(_section(config, "optimizer")) if "optimizer" in config else OptimizerConfig(),
+    batch = {k: p.get("", config, k, None, _int, 1) for k in _BATCH_KEYS if k in config}
+    impl = p.get("", config, "comm_implementation", "auto", _choice, ("auto", "ring", "native"))
+    spp = config.get("steps_per_print")
+    cfg = Config(
+        train_micro_batch_size_per_gpu=batch.get("train_micro_batch_size_per_gpu") or 1,
+        gradient_accumulation_steps=batch.get("gradient_accumulation_steps") or 1,
+        train_batch_size=batch.get("train_batch_size"),
+        gradient_clipping=p.get("", config, "gradient_clipping", 0.0, _float, 0.0),
+        optimizer=_parse_optimizer(p, p.section(config, "optimizer")) if "optimizer" in config else OptimizerConfig(),
+        scheduler=_parse_scheduler(p, p.section(config, "scheduler")) if config.get("scheduler") else None,
         fp16=fp16,
         bf16=bf16,
-        zero_optimization=_parse_zero(_section(config, "zero_optimization")),
+        zero_optimization=_parse_zero(p, p.section(config, "zero_optimization")),
+        steps_per_print=None if spp is None else p.get("", config, "steps_per_print", None, _int, 1),
+        wall_clock_breakdown=p.get("", config, "wall_clock_breakdown", False, _bool),
+        memory_breakdown=p.get("", config, "memory_breakdown", False, _bool),
+        comms_logger=_parse_comms_logger(p, p.section(config, "comms_logger")),
+        dump_state=p.get("", config, "dump_state", False, _bool),
         comm_implementation=impl,
         activation_checkpointing=_parse_activation_checkpointing(_section(config, "activation_checkpointing")),
         data_types=_parse_data_types(_section(config, "data_types")),
+        batch_keys_given=tuple(k for k in _BATCH_KEYS if batch.get(k) is not None),
+        notes=tuple(dict.fromkeys(p.notes)),
     )
+    p.raise_if_any()
+    return cfg

@@ -26,22 +26,40 @@ from zeroedu.memory import MODEL_STATES, PeakTracker, SavedActivations, resident
 from zeroedu.precision import LossScaler, compute_dtype
 
 
-def initialize(model: torch.nn.Module, config=None, model_parameters=None, **_ignored):
+def initialize(model: torch.nn.Module | None = None, config=None, model_parameters=None, optimizer=None,
+               lr_scheduler=None, training_data=None, collate_fn=None, config_params=None, args=None, mpu=None,
+               dist_init_required: bool | None = None):
     """Wrap `model` in the engine for `config["zero_optimization"]["stage"]`, like `deepspeed.initialize`.
 
-    Returns `(engine, optimizer, None, None)`; the two Nones stand where DeepSpeed returns a data loader and
-    a learning-rate scheduler. torch.distributed must be initialized (zeroedu.launch or torchrun) or this
-    process becomes a world of one.
+    Returns `(engine, optimizer, data_loader, lr_scheduler)`, as DeepSpeed does: the data loader exists when
+    `training_data` is given, the scheduler when the config has a `scheduler` section or `lr_scheduler` is given.
+    DeepSpeed's client objects are honoured (zeroedu.client): `optimizer` (a torch Adam, AdamW or SGD, or a
+    callable that makes one from parameters) gives the optimizer's class and hyperparameters, and the state is
+    sharded as the config's optimizer would be; `lr_scheduler` (a torch scheduler over that optimizer, or a
+    callable that makes one from the engine's optimizer) is stepped by engine.step(); `model_parameters` must be
+    the model's trainable parameters (groups may repeat one set of hyperparameters). torch.distributed must be
+    initialized (zeroedu.launch or torchrun) or this process becomes a world of one.
     """
+    from zeroedu import client
     from zeroedu.stages import engine_class
 
+    if model is None:
+        raise TypeError("zeroedu.initialize needs model=: the torch.nn.Module to train.")
+    if mpu is not None:
+        raise ValueError("initialize(mpu=...) describes model parallelism (Megatron's groups), which zeroedu does not "
+                         "implement: every rank here is one data-parallel rank. Remove mpu=.")
+    config = client.config_source(config, config_params, args)
     cfg = load_config(config)
+    cfg = client.with_client_optimizer(cfg, model, optimizer, model_parameters)
     if not dist.is_initialized():
         from zeroedu.launch import init_distributed
 
         init_distributed()
     engine = engine_class(cfg)(model, cfg)
-    return engine, engine.optimizer, None, None
+    if lr_scheduler is not None:
+        engine.lr_scheduler = client.wrap_scheduler(lr_scheduler, optimizer, engine.optimizer)
+    loader = client.data_loader(training_data, engine, collate_fn) if training_data is not None else None
+    return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
 def compute_device(model: torch.nn.Module, backend: str) -> torch.device:
@@ -71,7 +89,6 @@ class Engine:
     sharded = False      # does each rank own only part of the optimizer state (stages 1-3)?
 
     def __init__(self, model: torch.nn.Module, config: Config, comm: Comm | None = None) -> None:
-        self.config = config
         self.module = model
         self.precision = config.precision
         self.dtype = compute_dtype(self.precision)
@@ -85,6 +102,8 @@ class Engine:
                              "offload_optimizer and zero_quantized_gradients: remove one of them.")
         self.comm = comm or Comm(implementation=config.comm_implementation)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        # train_batch_size = micro x accumulation x world size: derived (or checked) now that the world is known.
+        self.config = config = config.for_world(self.world_size)
         self.accum = config.gradient_accumulation_steps
         self.overlap = config.zero_optimization.overlap_comm
         self.micro_step = 0
@@ -96,6 +115,10 @@ class Engine:
         self.last_activations: SavedActivations | None = None   # what the last tracked forward saved for backward
         self._tracker: PeakTracker | None = None
         self._handles: list = []
+        self.log_lines: list[str] = []     # what rank 0 printed (steps_per_print, breakdowns, notes), on every rank
+        self._loss_sum: torch.Tensor | None = None
+        self.last_loss: float | None = None
+        self._marks = (0, 0)               # (timeline, ledger) lengths at the last optimizer step
 
         # Where the model computes: the rank's GPU under NCCL (zeroedu.launch and torchrun set the current
         # device), else where its parameters already are (the CPU under gloo). Every buffer a stage makes
@@ -114,12 +137,29 @@ class Engine:
                 if getattr(t, "zero_partition", None) is None:
                     self.comm.broadcast(t.data, 0, kind="params" if t.is_floating_point() else "other")
         self.setup()
-        self.optimizer = make_optimizer(config, self.master_pieces)
+        self.optimizer = self.build_optimizer()
+        self.lr_scheduler = self.build_scheduler()
         if config.activation_checkpointing != type(config.activation_checkpointing)():
             # The section configures checkpoint(), process-wide, as in DeepSpeed.
             from zeroedu import checkpointing
 
             checkpointing.configure(config, ledger=self.comm.ledger)
+        for note in config.notes:
+            self.log(f"zeroedu note: {note}")
+        if config.dump_state:
+            self.log(f"zeroedu config: {config.to_dict()}")
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer over the master pieces (offload builds its host implementation here)."""
+        return make_optimizer(self.config, self.master_pieces)
+
+    def build_scheduler(self):
+        """The config's `scheduler` over the optimizer, or None (initialize may set a client scheduler instead)."""
+        if self.config.scheduler is None:
+            return None
+        from zeroedu import schedulers
+
+        return schedulers.build(self.config.scheduler.type, self.config.scheduler.params, self.optimizer)
 
     # -- what a stage provides ---------------------------------------------------------------------------
     master_pieces: list[torch.nn.Parameter]
@@ -190,6 +230,8 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-step. The loss is divided by the accumulation steps (and scaled for fp16)."""
+        detached = loss.detach().float()
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         with self._phase("backward"):
             self.before_backward()
             (loss * (self.scaler.scale / self.accum)).backward()
@@ -208,7 +250,7 @@ class Engine:
             clip = self.config.gradient_clipping
             # The global gradient norm, where something needs it: clipping, and fp16's loss scaler (an inf or nan
             # means overflow: skip the step). bf16 and fp32 steps are not checked, as in DeepSpeed and torch.
-            norm = self.global_grad_norm(grads) if clip > 0 or self.scaler.dynamic else None
+            norm = self.global_grad_norm(grads) if clip > 0 or self.precision == "fp16" else None
             self.last_grad_norm = norm
             overflow = norm is not None and not math.isfinite(norm)
             if overflow:
@@ -223,11 +265,17 @@ class Engine:
                     coef *= min(1.0, clip / (norm + 1e-6))
                 self.optimizer_step(grads, coef)
                 self.publish()
+                if self.lr_scheduler is not None:   # as DeepSpeed: a step skipped for overflow does not advance it
+                    self.lr_scheduler.step()
             self.scaler.update(overflow)
             self.zero_grads()
             self.wait()
         self.global_step += 1
         self.comm.step = self.global_step
+        if self.config.steps_per_print and self._loss_sum is not None:   # float(): a device sync, only when printed
+            self.last_loss = float(self._loss_sum) / self.accum
+        self._loss_sum = None
+        self.report_step()
 
     def global_grad_norm(self, grads: list[torch.Tensor]) -> float:
         """The L2 norm of the whole (unscaled) gradient: the pieces here, summed over ranks if sharded."""
@@ -239,12 +287,32 @@ class Engine:
         return math.sqrt(float(norm_sq.sum())) / self.scaler.scale
 
     def optimizer_step(self, grads: list[torch.Tensor], coef: float) -> None:
-        """Step the master pieces with grads x coef (unscale and clip in one factor). Offload overrides it."""
-        for master, g in zip(self.master_pieces, grads, strict=True):
-            master.grad = g if (g.dtype == torch.float32 and coef == 1.0) else g.float().mul_(coef)
-        self.optimizer.step()
-        for master in self.master_pieces:
-            master.grad = None
+        """Step the master pieces with grads x coef (unscale and clip in one factor). Offload overrides it.
+
+        `sub_group_size`: the pieces are stepped in sub-groups of at most that many elements, one after another
+        (a piece is never split), so the fp32 copies of the gradient exist for one sub-group at a time. torch's
+        optimizers skip a parameter whose .grad is None, so one optimizer steps each sub-group in turn.
+        """
+        for group in self.sub_groups():
+            for i in group:
+                g = grads[i]
+                self.master_pieces[i].grad = g if (g.dtype == torch.float32 and coef == 1.0) else g.float().mul_(coef)
+            self.optimizer.step()
+            for i in group:
+                self.master_pieces[i].grad = None
+
+    def sub_groups(self) -> list[list[int]]:
+        """Indices of the master pieces, greedily grouped into runs of at most sub_group_size elements."""
+        limit = self.config.zero_optimization.sub_group_size
+        groups: list[list[int]] = []
+        size = 0
+        for i, piece in enumerate(self.master_pieces):
+            if not groups or (size + piece.numel() > limit and groups[-1]):
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += piece.numel()
+        return groups
 
     def train_batch(self, batch, loss_fn) -> float:
         """One micro-step: forward, loss, backward, step. Returns the loss as a float."""
@@ -253,6 +321,44 @@ class Engine:
         self.backward(loss)
         self.step()
         return float(loss)
+
+    # -- what DeepSpeed's engine reports ------------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each parameter group, as deepspeed's engine.get_lr()."""
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_mom(self) -> list:
+        """beta1 (Adam: the betas pair) or momentum (SGD) of each group, as deepspeed's engine.get_mom()."""
+        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
+
+    def log(self, text: str) -> None:
+        """Print on rank 0 (DeepSpeed's log_dist(ranks=[0])); every rank keeps the line in log_lines."""
+        self.log_lines.append(text)
+        if self.rank == 0:
+            print(text, flush=True)
+
+    def report_step(self) -> None:
+        """After an optimizer step: what the logging keys ask for (zeroedu.report formats it)."""
+        from zeroedu import report
+
+        report.after_step(self)
+
+    def log_summary(self) -> str:
+        """The ledger's per-collective summary (what deepspeed.comm.log_summary() prints with comms_logger)."""
+        from zeroedu import report
+
+        text = report.comms_summary(self.ledger)
+        self.log(text)
+        return text
 
     # -- overlap -----------------------------------------------------------------------------------------
     def launch(self, fn) -> None:
@@ -345,9 +451,8 @@ class Engine:
         from zeroedu import zero
 
         if self.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
-            if self.rank == 0:
-                print("zeroedu: save_16bit_model wrote nothing: at stage 3 set zero_optimization."
-                      "stage3_gather_16bit_weights_on_model_save to true to gather the weights for it.")
+            self.log("zeroedu: save_16bit_model wrote nothing: at stage 3 set zero_optimization."
+                     "stage3_gather_16bit_weights_on_model_save to true to gather the weights for it.")
             return False
         state = zero.consolidated_16bit_state_dict(self)
         if self.rank == 0:

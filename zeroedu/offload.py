@@ -272,10 +272,10 @@ def host_optimizer(cfg, params: list[torch.nn.Parameter], impl: str | None = Non
 class OffloadMixin:
     """offload_optimizer (stages 1-3) and offload_param (stage 3), layered on a stage by stages.engine_class."""
 
-    def __init__(self, model: torch.nn.Module, config, comm=None) -> None:
-        super().__init__(model, config, comm)
+    def build_optimizer(self) -> torch.optim.Optimizer:
         if self.opt_tier != "none":   # the step runs on the host: the fastest CPU implementation
-            self.optimizer = host_optimizer(config, self.master_pieces)
+            return host_optimizer(self.config, self.master_pieces)
+        return super().build_optimizer()
 
     # -- setup: move the shard to its tiers --------------------------------------------------------------------
     def setup(self) -> None:

@@ -42,7 +42,16 @@ class Stage1(Stage0):
     def reduce_bucket(self, b: Bucket) -> None:
         grads = self.layout.bucket_view(self.flat_grads, b)
         out = self.grad_out(b)
-        self.launch(lambda: self.comm.reduce_scatter(out, grads, average=True, kind="grads"))
+        self.launch(lambda: self.reduce_to_piece(out, grads, b))
+
+    def reduce_to_piece(self, out: torch.Tensor, grads: torch.Tensor, b: Bucket) -> None:
+        """out = this rank's piece of the bucket's gradient averaged over ranks. `reduce_scatter: false` gets it
+        from an all-reduce of the whole bucket instead: the same result for twice the bytes."""
+        if self.config.zero_optimization.reduce_scatter:
+            self.comm.reduce_scatter(out, grads, average=True, kind="grads")
+        else:
+            self.comm.all_reduce(grads, average=True, kind="grads")
+            out.copy_(grads[self.rank * b.piece: (self.rank + 1) * b.piece])
 
     def grad_out(self, b: Bucket) -> torch.Tensor:
         """Where bucket b's reduced gradient lands: this rank's piece of the gradient shard (offload: a staging
@@ -53,6 +62,9 @@ class Stage1(Stage0):
         return [self.layout.piece_of_shard(self.grad_shard, b) for b in self.layout.buckets]
 
     def publish(self) -> None:
+        if self.config.zero_optimization.allgather_bucket_size is not None:
+            self.publish_in_chunks(self.config.zero_optimization.allgather_bucket_size)
+            return
         gathers = []   # queued back to back on the comm thread; the next bucket's copy overlaps this gather
         for b, master, mine in zip(self.layout.buckets, self.master_pieces, self.param_shard_views, strict=True):
             if master.data_ptr() != mine.data_ptr():
@@ -61,6 +73,30 @@ class Stage1(Stage0):
             gathers.append(self.comm.all_gather(full, mine, kind="params", async_op=True))
         for handle in gathers:
             handle.wait()
+
+    def publish_in_chunks(self, chunk_numel: int) -> None:
+        """`allgather_bucket_size`: all-gathers of at most chunk_numel elements (N x this rank's part), whatever
+        the reduce buckets are, as DeepSpeed cuts its stage 1-2 parameter all-gather. A chunk is a stretch of the
+        shard (this rank's pieces, back to back), so it may span several buckets or part of one; what arrives is
+        copied to where each rank's piece lives in the flat parameters."""
+        n, per_rank = self.world_size, max(1, chunk_numel // self.world_size)
+        for master, mine in zip(self.master_pieces, self.param_shard_views, strict=True):
+            if master.data_ptr() != mine.data_ptr():
+                mine.copy_(master)
+        spans = [(b, b.shard_start, b.shard_start + b.piece) for b in self.layout.buckets]
+        for start in range(0, self.layout.shard_numel, per_rank):
+            end = min(start + per_rank, self.layout.shard_numel)
+            parts = [(b, max(s, start), min(e, end)) for b, s, e in spans if s < end and e > start]
+            mine = torch.cat([self.param_shard_views[b.index][lo - b.shard_start: hi - b.shard_start]
+                              for b, lo, hi in parts])
+            rows = torch.empty(n, end - start, dtype=mine.dtype, device=mine.device)
+            self.comm.all_gather(rows.view(-1), mine, kind="params")
+            for r in range(n):
+                at = 0
+                for b, lo, hi in parts:
+                    dst = self.layout.piece_of_full(self.flat_params, b, r)[lo - b.shard_start: hi - b.shard_start]
+                    dst.copy_(rows[r, at: at + hi - lo])
+                    at += hi - lo
 
     def zero_grads(self) -> None:
         super().zero_grads()

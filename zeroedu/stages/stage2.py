@@ -6,6 +6,10 @@ reusable bucket buffer, the parameters' .grad are freed, and the bucket is reduc
 gradient shard. That happens at every micro-step (a shard cannot hold the sum of full gradients for later),
 so with gradient accumulation stage 2 communicates once per micro-step where stages 0 and 1 wait for the
 boundary. Two bucket buffers alternate so one can fill while the other is on the wire.
+
+Two DeepSpeed switches change this: `reduce_scatter: false` all-reduces each bucket and keeps this rank's
+piece (the same gradient for twice the bytes: a step moves 3 Psi instead of 2 Psi), and `contiguous_gradients:
+false` flattens each bucket into a new tensor instead of the two reusable buffers.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ class Stage2(Stage1):
     def setup_gradients(self) -> None:
         self.flat_grads = None
         self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
+        # contiguous_gradients: two reusable bucket buffers; false: each bucket flattened into a new tensor that
+        # lives until its reduction is done (no standing bucket memory, one allocation per bucket).
         self.bucket_buffers = [torch.empty(self.bucket_buffer_numel(), dtype=self.dtype, device=self.device)
-                               for _ in range(2)]
+                               for _ in range(2 if self.config.zero_optimization.contiguous_gradients else 0)]
         self._buffer_jobs: list = [None, None]
         self._next_buffer = 0
 
@@ -38,6 +44,9 @@ class Stage2(Stage1):
 
     def take_bucket_buffer(self, b: Bucket | None = None) -> torch.Tensor:
         """The next free bucket buffer (waiting for its previous reduce-scatter if needed), cut to b's size."""
+        if not self.bucket_buffers:   # contiguous_gradients false
+            return torch.empty(self.bucket_buffer_numel() if b is None else b.padded, dtype=self.dtype,
+                               device=self.device)
         i = self._next_buffer
         self._next_buffer = 1 - i
         if self._buffer_jobs[i] is not None:
@@ -66,8 +75,14 @@ class Stage2(Stage1):
         outs = [self.grad_out(b) for b in buckets]
 
         def job() -> None:
-            reduced = [torch.empty_like(out, dtype=bufs[0].dtype) for out in outs]
-            self.comm.reduce_scatter_coalesced(reduced, bufs, average=True, kind="grads")
+            if self.config.zero_optimization.reduce_scatter:
+                reduced = [torch.empty_like(out, dtype=bufs[0].dtype) for out in outs]
+                self.comm.reduce_scatter_coalesced(reduced, bufs, average=True, kind="grads")
+            else:   # reduce_scatter false: all-reduce each bucket (2x the bytes) and keep this rank's piece
+                reduced = []
+                for b, buf in zip(buckets, bufs, strict=True):
+                    self.comm.all_reduce(buf, average=True, kind="grads")
+                    reduced.append(buf[self.rank * b.piece: (self.rank + 1) * b.piece])
             for out, r in zip(outs, reduced, strict=True):
                 out.add_(r)            # micro-steps accumulate in the shard
 

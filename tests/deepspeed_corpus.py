@@ -1,0 +1,257 @@
+"""Real-world DeepSpeed configs, as their authors wrote them, each with its source.
+
+Each entry: the config; the keys zeroedu's one error must name (empty: it trains as written); and, where the
+config needs a change to run here, the change a learner would make (`fix`), after which it must train. Configs
+with "auto" are Hugging Face Trainer configs: `trainer_fill` writes the values the Trainer would put in.
+"""
+
+from __future__ import annotations
+
+import copy
+
+DSE = "https://github.com/microsoft/DeepSpeedExamples/blob/master/"
+HF = "https://github.com/huggingface/transformers/blob/main/tests/deepspeed/"
+
+CORPUS = {
+    "cifar": {
+        "source": "https://github.com/microsoft/DeepSpeed/blob/cadae08cbde22df331f9dff48be829958b8204f0/"
+                  "DeepSpeedExamples/cifar/ds_config.json (the CIFAR-10 tutorial's config)",
+        "config": {"train_batch_size": 4, "steps_per_print": 2000,
+                   "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8,
+                                                            "weight_decay": 3e-7}},
+                   "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001,
+                                                                "warmup_num_steps": 1000}},
+                   "wall_clock_breakdown": False},
+        "refused": [],
+    },
+    "hf-zero2": {
+        "source": HF + "ds_config_zero2.json",
+        "config": {"fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                            "hysteresis": 2, "min_loss_scale": 1},
+                   "bf16": {"enabled": "auto"},
+                   "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                             "weight_decay": "auto"}},
+                   "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                                "warmup_num_steps": "auto"}},
+                   "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                         "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                                         "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": 2e8,
+                                         "contiguous_gradients": True},
+                   "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+                   "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                   "wall_clock_breakdown": False},
+        "refused": ["fp16.enabled", "bf16.enabled", "optimizer.params.lr", "optimizer.params.betas",
+                    "optimizer.params.eps", "optimizer.params.weight_decay", "scheduler.params.warmup_min_lr",
+                    "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",
+                    "gradient_accumulation_steps", "gradient_clipping", "train_batch_size",
+                    "train_micro_batch_size_per_gpu"],
+        "fix": "trainer_fill",
+    },
+    "hf-zero3": {
+        "source": HF + "ds_config_zero3.json",
+        "config": {"fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                            "hysteresis": 2, "min_loss_scale": 1},
+                   "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                         "offload_param": {"device": "cpu", "pin_memory": True},
+                                         "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e14,
+                                         "reduce_bucket_size": 0, "stage3_prefetch_bucket_size": 0,
+                                         "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 1e9,
+                                         "stage3_max_reuse_distance": 1e9,
+                                         "stage3_gather_fp16_weights_on_model_save": True},
+                   "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "betas": [0.8, 0.999], "eps": 1e-8,
+                                                             "weight_decay": 3e-7}},
+                   "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-5,
+                                                                "warmup_num_steps": 500}},
+                   "steps_per_print": 2000, "wall_clock_breakdown": False},
+        # DeepSpeed 0.19.8 refuses 0 too (its ZeRO config requires reduce_bucket_size > 0).
+        "refused": ["zero_optimization.reduce_bucket_size"],
+        "fix": {"zero_optimization": {"reduce_bucket_size": 5e8}, "train_micro_batch_size_per_gpu": 2},
+    },
+    "megatron-zero2": {
+        "source": DSE + "Megatron-LM/scripts/ds_zero2_config.json",
+        "config": {"train_batch_size": 16, "gradient_accumulation_steps": 1, "steps_per_print": 1,
+                   "zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam", "params": {"lr": 0.00015}},
+                   "gradient_clipping": 1.0,
+                   "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2,
+                            "min_loss_scale": 1},
+                   "activation_checkpointing": {"partition_activations": True,
+                                                "contiguous_memory_optimization": False},
+                   "wall_clock_breakdown": False},
+        # activation_checkpointing configures zeroedu.checkpointing, as in DeepSpeed: accepted as written
+        "refused": [],
+    },
+    "megatron-zero2-offload": {
+        "source": DSE + "Megatron-LM/scripts/ds_zero2_cpu_offload_config.json",
+        "config": {"train_batch_size": 16, "gradient_accumulation_steps": 1, "steps_per_print": 1,
+                   "zero_optimization": {"stage": 2, "cpu_offload": True},
+                   "optimizer": {"type": "Adam", "params": {"lr": 0.00015}}, "gradient_clipping": 1.0,
+                   "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2,
+                            "min_loss_scale": 1},
+                   "activation_checkpointing": {"partition_activations": True,
+                                                "contiguous_memory_optimization": False},
+                   "wall_clock_breakdown": False},
+        "refused": ["zero_optimization.cpu_offload"],
+        "fix": {"zero_optimization": {"cpu_offload": None, "offload_optimizer": {"device": "cpu"}}},
+    },
+    "megatron-zero3": {
+        "source": DSE + "Megatron-LM-v1.1.5-ZeRO3/examples/ds_zero_stage_3_config.json (its optimizer is the "
+                        "script's own: passed here as a client torch.optim.Adam)",
+        "config": {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "steps_per_print": 10,
+                   "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9,
+                                         "stage3_max_reuse_distance": 1e9, "stage3_prefetch_bucket_size": 6.039798e7,
+                                         "stage3_param_persitence_threshold": 8.192e4,
+                                         "reduce_bucket_size": 6.710886e7, "contiguous_gradients": True},
+                   "gradient_clipping": 1.0,
+                   "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 10, "loss_scale_window": 1000,
+                            "hysteresis": 2, "min_loss_scale": 1},
+                   "wall_clock_breakdown": True, "zero_allow_untested_optimizer": False},
+        # A typo in the original (DeepSpeed 0.19.8 refuses it too: extra keys are forbidden).
+        "refused": ["zero_optimization.stage3_param_persitence_threshold"],
+        "fix": {"zero_optimization": {"stage3_param_persitence_threshold": None,
+                                      "stage3_param_persistence_threshold": 8.192e4}},
+        "client_optimizer": 1.5e-4,
+    },
+    "zero-infinity": {
+        "source": DSE + "Megatron-LM-v1.1.5-ZeRO3/examples/ds_zero_stage_infinity_config.json (client optimizer as "
+                        "above; nvme_path points at a temporary folder)",
+        "config": {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 1,
+                   "zero_optimization": {
+                       "stage": 3, "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e8,
+                       "stage3_param_persitance_threshold": 1e5, "stage3_prefetch_bucket_size": 5e7,
+                       "contiguous_gradients": True, "overlap_comm": True, "reduce_bucket_size": 90000000,
+                       "sub_group_size": 1e8,
+                       "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme_data", "buffer_count": 4,
+                                             "pipeline_read": False, "pipeline_write": False, "pin_memory": True},
+                       "offload_param": {"device": "nvme", "nvme_path": "/nvme_data", "max_in_cpu": 1,
+                                         "pin_memory": True}},
+                   "gradient_clipping": 1.0,
+                   "fp16": {"enabled": True, "loss_scale": 1024, "loss_scale_window": 1000, "hysteresis": 2,
+                            "min_loss_scale": 1},
+                   "wall_clock_breakdown": True, "zero_allow_untested_optimizer": False,
+                   "aio": {"block_size": 1048576, "queue_depth": 16, "single_submit": False, "overlap_events": True,
+                           "thread_count": 2}},
+        "refused": ["zero_optimization.stage3_param_persitance_threshold"],
+        "fix": {"zero_optimization": {"stage3_param_persitance_threshold": None,
+                                      "stage3_param_persistence_threshold": 1e5}},
+        "client_optimizer": 1.5e-4,
+        "nvme": True,
+    },
+    "autotuning": {
+        "source": DSE + "autotuning/ds_config.json (a config for DeepSpeed's autotuner)",
+        "config": {"train_micro_batch_size_per_gpu": [8], "gradient_accumulation_steps": "auto",
+                   "gradient_clipping": "auto",
+                   "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                                         "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": 2e8,
+                                         "contiguous_gradients": True, "cpu_offload": True},
+                   "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                             "weight_decay": "auto"}},
+                   "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                                "warmup_num_steps": "auto"}},
+                   "autotuning": {"enabled": True, "start_step": 5, "end_step": 10, "num_nodes": 1,
+                                  "num_gpus": [2, 4], "metric": "latency",
+                                  "arg_mappings": {"train_micro_batch_size_per_gpu": "per_device_train_batch_size"}}},
+        "refused": ["train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+                    "zero_optimization.cpu_offload", "optimizer.params.lr", "optimizer.params.betas",
+                    "optimizer.params.eps", "optimizer.params.weight_decay", "scheduler.params.warmup_min_lr",
+                    "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps", "autotuning"],
+    },
+    "qanet-onecycle": {
+        "source": DSE + "QANet-Pytorch/ds_bsz512_1cycle.json",
+        "config": {"train_batch_size": 512, "train_micro_batch_size_per_gpu": 32, "steps_per_print": 10,
+                   "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8,
+                                                            "weight_decay": 3e-7}},
+                   "scheduler": {"type": "OneCycle", "params": {
+                       "cycle_min_lr": 0.004, "cycle_max_lr": 0.015, "cycle_first_step_size": 1000,
+                       "cycle_second_step_size": 100, "cycle_first_stair_count": 100,
+                       "cycle_second_stair_count": 100, "decay_step_size": 1000, "decay_lr_rate": 0.01}}},
+        "refused": [],
+    },
+    "bert-onebit-adam": {
+        "source": DSE + "bing_bert/deepspeed_bsz4k_onebit_config_seq128.json",
+        "config": {"train_micro_batch_size_per_gpu": 16, "steps_per_print": 100, "prescale_gradients": False,
+                   "optimizer": {"type": "OneBitAdam", "params": {"lr": 4e-4, "weight_decay": 0.01,
+                                                                  "bias_correction": False, "freeze_step": 23000,
+                                                                  "cuda_aware": True}},
+                   "gradient_clipping": 1.0, "wall_clock_breakdown": False,
+                   "fp16": {"enabled": True, "loss_scale": 0}},
+        "refused": ["optimizer.type"],
+    },
+    "bert-squad": {
+        "source": DSE + "BingBertSquad/deepspeed_bsz24_config.json (written for the old FusedAdam)",
+        "config": {"train_batch_size": 24, "train_micro_batch_size_per_gpu": 6, "steps_per_print": 10,
+                   "optimizer": {"type": "Adam", "params": {"lr": 3e-5, "max_grad_norm": 1.0, "weight_decay": 0.0,
+                                                            "bias_correction": False}},
+                   "fp16": {"enabled": True}},
+        "refused": ["optimizer.params.max_grad_norm", "optimizer.params.bias_correction"],
+        "fix": {"optimizer": {"type": "Adam", "params": {"lr": 3e-5, "weight_decay": 0.0}}, "gradient_clipping": 1.0},
+    },
+    "llama-factory-z3-offload": {
+        "source": "https://github.com/hiyouga/LLaMA-Factory/blob/main/examples/deepspeed/ds_z3_offload_config.json "
+                  "(copy seen at huggingface.co/spaces/Justinrune/LLaMA-Factory)",
+        "config": {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                   "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                   "zero_allow_untested_optimizer": True,
+                   "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                            "hysteresis": 2, "min_loss_scale": 1},
+                   "bf16": {"enabled": "auto"},
+                   "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                         "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+                                         "contiguous_gradients": True, "sub_group_size": 1e9,
+                                         "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                         "stage3_param_persistence_threshold": "auto",
+                                         "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                                         "stage3_gather_16bit_weights_on_model_save": True}},
+        "refused": ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                    "gradient_clipping", "fp16.enabled", "bf16.enabled", "zero_optimization.reduce_bucket_size",
+                    "zero_optimization.stage3_prefetch_bucket_size",
+                    "zero_optimization.stage3_param_persistence_threshold"],
+        "fix": "trainer_fill",
+    },
+}
+
+# What the HF Trainer writes for "auto" with `--per_device_train_batch_size 4 --learning_rate 5e-5 --warmup_steps 10
+# --bf16` on 2 ranks, and a model of hidden size 64 (the HF DeepSpeed docs list each key's source).
+TRAINER = {
+    "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 8,
+    "gradient_clipping": 1.0, "fp16.enabled": False, "bf16.enabled": True,
+    "optimizer.params.lr": 5e-5, "optimizer.params.betas": [0.9, 0.999], "optimizer.params.eps": 1e-8,
+    "optimizer.params.weight_decay": 0.0, "scheduler.params.warmup_min_lr": 0.0,
+    "scheduler.params.warmup_max_lr": 5e-5, "scheduler.params.warmup_num_steps": 10,
+    "zero_optimization.reduce_bucket_size": 64 * 64,
+    "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * 64 * 64),
+    "zero_optimization.stage3_param_persistence_threshold": 10 * 64,
+}
+
+
+def trainer_fill(config: dict, prefix: str = "") -> dict:
+    """The config with every "auto" replaced as the Trainer would (TRAINER)."""
+    out = {}
+    for key, value in config.items():
+        where = f"{prefix}.{key}" if prefix else key
+        out[key] = trainer_fill(value, where) if isinstance(value, dict) else TRAINER[where] if value == "auto" \
+            else value
+    return out
+
+
+def apply_fix(config: dict, fix: dict) -> dict:
+    """config with fix merged in (None removes a key)."""
+    out = copy.deepcopy(config)
+    for key, value in fix.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict) and key != "optimizer":
+            out[key] = apply_fix(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def runnable(name: str, nvme_dir: str | None = None) -> dict:
+    """The config that must train: as written, or after its fix."""
+    entry = CORPUS[name]
+    fix = entry.get("fix")
+    cfg = trainer_fill(entry["config"]) if fix == "trainer_fill" else apply_fix(entry["config"], fix or {})
+    if entry.get("nvme"):
+        for tier in ("offload_optimizer", "offload_param"):
+            cfg["zero_optimization"][tier]["nvme_path"] = nvme_dir
+    return cfg

@@ -1,0 +1,142 @@
+"""Graduating to DeepSpeed: the same training script under `import zeroedu as ds` and `import deepspeed as ds`.
+
+Notebook 14 runs `train` below on CPU ranks twice, once per library, with the same model, data and config, and
+compares what each measured. DeepSpeed runs on CPU over gloo (deepspeed.init_distributed(dist_backend="gloo")).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+
+def import_deepspeed():
+    """DeepSpeed, ready for CPU ranks over gloo (torch.distributed already initialized by zeroedu.launch).
+
+    On CPU, DeepSpeed compiles a shared-memory all-reduce extension the first time its comm layer starts (minutes
+    on a small machine, then cached). That kernel serves inference all-reduces only; training collectives go
+    through torch.distributed (gloo here). So it is marked unavailable and not built.
+    """
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    return deepspeed
+
+
+def library(name: str):
+    """`import zeroedu as ds` or `import deepspeed as ds`, by name."""
+    if name == "deepspeed":
+        return import_deepspeed()
+    if name != "zeroedu":
+        raise ValueError(f"library must be 'zeroedu' or 'deepspeed', got {name!r}")
+    return importlib.import_module("zeroedu")
+
+
+def _deepspeed_owned(engine) -> dict[str, list]:
+    """DeepSpeed's tensors by zeroedu's memory categories (its stage 1-2 optimizer, DeepSpeedZeroOptimizer)."""
+    opt = engine.optimizer
+    state = [v for s in opt.optimizer.state.values() for v in s.values() if hasattr(v, "dim")]
+    ipg = getattr(opt, "ipg_buffer", None) or []
+    grads = [g for g in (getattr(opt, "averaged_gradients", {}) or {}).values() for g in (g or [])]
+    return {
+        "parameters": list(getattr(opt, "bit16_groups_flat", [])) or [p.data for p in engine.module.parameters()],
+        "gradients": grads + [p.grad for p in engine.module.parameters() if p.grad is not None],
+        "master_weights": list(opt.single_partition_of_fp32_groups),
+        "optimizer_state": [v for v in state if v.dim() > 0],
+        "buckets": list(ipg),
+        "other": [v for v in state if v.dim() == 0],
+    }
+
+
+def _comm_counts(name: str, engine) -> dict[str, dict[int, int]]:
+    """{collective: {message bytes: count}}: zeroedu's ledger, or DeepSpeed's comms logger."""
+    out: dict[str, dict[int, int]] = {}
+    if name == "zeroedu":
+        for e in engine.ledger:
+            if e.op != "skipped_step":
+                sizes = out.setdefault(e.op, {})
+                sizes[e.tensor_bytes] = sizes.get(e.tensor_bytes, 0) + 1
+        return out
+    from deepspeed.comm import comm as ds_comm
+
+    for op, sizes in ds_comm.comms_logger.comms_dict.items():
+        out[op] = {int(size): int(vals[0]) for size, vals in sizes.items()}
+    return out
+
+
+def train(rank: int, world: int, name: str, config: dict, steps: int, save_dir: str) -> dict:
+    """The course's script, under `import <name> as ds`: TinyGPT on the course's synthetic batches.
+
+    Returns the global-batch loss per step, the lr per step, model-state bytes by category (zeroedu's meter,
+    on DeepSpeed's own tensors too), the collectives by message size, the peak bytes of the last step by
+    category, the checkpoint's files, and the consolidated fp32 weights next to the engine's own.
+    """
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from zeroedu.memory import PeakTracker, resident
+    from zeroedu.models import TinyGPT, gpt_batch, gpt_loss, shard_batch
+
+    ds = library(name)
+    engine, *_ = ds.initialize(model=TinyGPT(seed=0), config=config)
+    owned = engine.owned if name == "zeroedu" else (lambda: _deepspeed_owned(engine))
+    phase = {"now": "forward"}
+    losses, lrs, tracker = [], [], None
+    micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    for s in range(steps):
+        x, y = gpt_batch(s, micro * accum * world)
+        if s == steps - 1:   # the last step's peak, measured the same way for both
+            tracker = PeakTracker(owned, lambda: phase["now"])
+            tracker.__enter__()
+        total = torch.zeros(())
+        for m in range(accum):
+            xs, ys = shard_batch(x, y, rank, world, m, accum)
+            phase["now"] = "forward"
+            loss = gpt_loss(engine(xs), ys)
+            phase["now"] = "backward"
+            engine.backward(loss)
+            phase["now"] = "step"
+            engine.step()
+            total += loss.detach().float()
+        dist.all_reduce(total)
+        losses.append(float(total) / (world * accum))
+        lrs.append(engine.get_lr()[0])
+    tracker.__exit__(None, None, None)
+    folder = os.path.join(save_dir, name)
+    engine.save_checkpoint(folder)
+    dist.barrier()
+    files = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
+    if name == "zeroedu":
+        master = engine.master_state_dict()
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        opt = engine.optimizer
+        full = [torch.empty(0)] * world
+        dist.all_gather_object(full, opt.single_partition_of_fp32_groups[0].detach().clone())
+        master = None if rank else torch.cat(full)
+    consolidated = None
+    if rank == 0:
+        if name == "zeroedu":
+            from zeroedu.checkpoint import consolidate
+
+            consolidated = consolidate(folder)
+            same = all(torch.equal(consolidated[k], master[k]) for k in master)
+        else:
+            consolidated = get_fp32_state_dict_from_zero_checkpoint(folder)
+            # DeepSpeed's flat partitions hold the parameters in model order, padding at the end.
+            flat = torch.cat([consolidated[n].reshape(-1) for n, _ in engine.module.named_parameters()])
+            same = torch.equal(flat, master[: flat.numel()])
+        consolidated = {"same_as_engine": same, "tensors": {k: v.detach().float() for k, v in consolidated.items()}}
+    return {"losses": losses, "lrs": lrs, "batch": [micro, accum, micro * accum * world],
+            "model_states": resident(owned()), "peak": dict(tracker.peak), "peak_total": tracker.peak_total,
+            "comm": _comm_counts(name, engine), "files": files, "consolidated": consolidated,
+            "optimizer": type(engine.optimizer.optimizer if name == "deepspeed" else engine.optimizer).__name__}
+
+
+def compare(rank: int, world: int, config: dict, steps: int, save_dir: str) -> dict:
+    """`train` under zeroedu, then under DeepSpeed, in the same ranks (starting ranks is the slow part)."""
+    return {name: train(rank, world, name, config, steps, save_dir) for name in ("zeroedu", "deepspeed")}
