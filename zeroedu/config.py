@@ -94,11 +94,13 @@ class OffloadConfig:
 @dataclass(frozen=True)
 class ZeroConfig:
     stage: int = 0
-    reduce_bucket_size: int = 50_000_000
+    # None (the key left out): zeroedu sizes the buffer to the model, where DeepSpeed uses a fixed 5e8 (reduce) and
+    # 5e7 (prefetch) elements; see zeroedu.stages.sizing. A value given is used as given, as in DeepSpeed.
+    reduce_bucket_size: int | None = None
     allgather_bucket_size: int = 50_000_000
     overlap_comm: bool = True
     contiguous_gradients: bool = True
-    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_prefetch_bucket_size: int | None = None
     stage3_param_persistence_threshold: int = 100_000
     stage3_max_live_parameters: int = 1_000_000_000
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
@@ -109,8 +111,8 @@ class ZeroConfig:
 
     @property
     def bucket_numel(self) -> int:
-        """One bucket layout serves both directions, so it is the smaller of the two sizes."""
-        return min(self.reduce_bucket_size, self.allgather_bucket_size)
+        """One bucket layout serves both directions, so it is the smaller of the two sizes (None: automatic)."""
+        return None if self.reduce_bucket_size is None else min(self.reduce_bucket_size, self.allgather_bucket_size)
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,11 @@ def _int(section: str, key: str, value: Any, lo: int, hi: int | None = None) -> 
         rng = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
         raise ConfigError(f"'{_where(section, key)}' must be {rng}, got {value}.")
     return value
+
+
+def _size(section: str, raw: dict[str, Any], key: str, lo: int) -> int | None:
+    """A buffer size in elements, or None where the config leaves it out (or writes null): automatic."""
+    return None if raw.get(key) is None else _int(section, key, raw[key], lo)
 
 
 def _float(section: str, key: str, value: Any, lo: float) -> float:
@@ -276,13 +283,12 @@ def _parse_zero(raw: dict[str, Any]) -> ZeroConfig:
                           f"'zero_hpz_partition_size') works at stage 3 only; got stage {stage}.")
     return ZeroConfig(
         stage=stage,
-        reduce_bucket_size=_int(s, "reduce_bucket_size", raw.get("reduce_bucket_size", d.reduce_bucket_size), 1),
+        reduce_bucket_size=_size(s, raw, "reduce_bucket_size", 1),
         allgather_bucket_size=_int(
             s, "allgather_bucket_size", raw.get("allgather_bucket_size", d.allgather_bucket_size), 1),
         overlap_comm=_bool(s, "overlap_comm", raw.get("overlap_comm", d.overlap_comm)),
         contiguous_gradients=_bool(s, "contiguous_gradients", raw.get("contiguous_gradients", True)),
-        stage3_prefetch_bucket_size=_int(
-            s, "stage3_prefetch_bucket_size", raw.get("stage3_prefetch_bucket_size", d.stage3_prefetch_bucket_size), 0),
+        stage3_prefetch_bucket_size=_size(s, raw, "stage3_prefetch_bucket_size", 0),
         stage3_param_persistence_threshold=_int(
             s, "stage3_param_persistence_threshold",
             raw.get("stage3_param_persistence_threshold", d.stage3_param_persistence_threshold), 0),
