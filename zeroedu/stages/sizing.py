@@ -15,8 +15,9 @@ So when a key is left out (or null), zeroedu sizes it to the model:
   one module owns, which stage 3 gathers and reduces whole) and at most STAGE01_BUCKET. The two buffers then
   hold 2 Psi / BUCKETS_PER_MODEL elements, a fixed fraction of the model whatever its size, and a step runs
   about BUCKETS_PER_MODEL reductions, as FSDP2 does with one group per block.
-- `stage3_prefetch_bucket_size`: the same size. Stage 3 gathers ahead what the next units need, about one
-  bucket, as FSDP2 gathers one group ahead; not the rest of the model.
+- `stage3_prefetch_bucket_size`: the same Psi / BUCKETS_PER_MODEL (whatever `reduce_bucket_size` is). Stage 3
+  gathers ahead what the next units need, about one bucket, as FSDP2 gathers one group ahead; not the rest of
+  the model.
 
 A value the config gives is used as given, as DeepSpeed does (buckets of at most that many elements, a
 parameter larger than that in a bucket of its own).
@@ -45,19 +46,22 @@ def module_units(module: torch.nn.Module) -> list[tuple[torch.nn.Module, list[to
     return units
 
 
+def model_numel(module: torch.nn.Module) -> int:
+    """zeroedu's buffer size for this model: Psi / BUCKETS_PER_MODEL, at least its largest unit (so that a unit fits
+    in one buffer), at most STAGE01_BUCKET."""
+    units = [sum(p.numel() for p in params) for _, params in module_units(module)] or [1]
+    return max(max(units), min(math.ceil(sum(units) / BUCKETS_PER_MODEL), STAGE01_BUCKET))
+
+
 def reduce_bucket_numel(config, module: torch.nn.Module) -> int:
     """`reduce_bucket_size` as the config gives it, or zeroedu's size for this model and stage."""
     zc = config.zero_optimization
     if zc.reduce_bucket_size is not None:
         return zc.reduce_bucket_size
-    if zc.stage < 2:
-        return STAGE01_BUCKET
-    units = [sum(p.numel() for p in params) for _, params in module_units(module)] or [1]
-    psi = sum(units)
-    return max(max(units), min(math.ceil(psi / BUCKETS_PER_MODEL), STAGE01_BUCKET))
+    return STAGE01_BUCKET if zc.stage < 2 else model_numel(module)
 
 
-def prefetch_numel(config, bucket_numel: int) -> int:
-    """`stage3_prefetch_bucket_size` as the config gives it, or the reduce bucket's size."""
+def prefetch_numel(config, module: torch.nn.Module) -> int:
+    """`stage3_prefetch_bucket_size` as the config gives it, or zeroedu's size for this model."""
     given = config.zero_optimization.stage3_prefetch_bucket_size
-    return bucket_numel if given is None else given
+    return model_numel(module) if given is None else given

@@ -37,7 +37,7 @@ class Stage3(Stage2):
     def setup(self) -> None:
         zc = self.config.zero_optimization
         self.bucket_numel = reduce_bucket_numel(self.config, self.module)   # the config's, or sized to the model
-        self.prefetch_numel = prefetch_numel(self.config, self.bucket_numel)
+        self.prefetch_numel = prefetch_numel(self.config, self.module)
         self.max_live = zc.stage3_max_live_parameters
         # Units: the parameters each module owns directly; a shared parameter belongs to its first module.
         units = module_units(self.module)
