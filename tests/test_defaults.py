@@ -34,17 +34,21 @@ def _sizes(rank: int, world: int) -> dict:
 
     out = {}
     for stage in (0, 1, 2, 3):
-        for given in ({}, {"reduce_bucket_size": 270_000, "stage3_prefetch_bucket_size": 10}):
+        for given in ({}, {"reduce_bucket_size": 270_000, "stage3_prefetch_bucket_size": 10,
+                           "stage3_max_live_parameters": 7}):
             engine, *_ = zeroedu.initialize(model=bench_mlp(WIDTH, LAYERS),
                                             config={"zero_optimization": {"stage": stage, **given}})
             out[stage, bool(given)] = {"bucket": engine.bucket_numel, "prefetch": getattr(engine, "prefetch_numel", 0),
+                                       "live": getattr(engine, "max_live", 0),
                                        "layout": [b.numel for b in engine.layout.buckets]}
     return out
 
 
 def test_default_sizes_follow_the_model_and_explicit_ones_are_honoured():
-    """Without sizes: stages 0-1 one bucket of up to 5e7 (the whole model here), stages 2-3 Psi / 8 elements
-    (this MLP: one layer); with sizes: DeepSpeed's greedy buckets of at most reduce_bucket_size."""
+    """Without sizes: stages 0-1 one bucket of up to 5e7 (the whole model here); stage 2 buckets of Psi / 8
+    elements (this MLP: one layer); stage 3 a reduce bucket of the largest unit, a prefetch of Psi / 8 and at
+    most twice that gathered. With sizes: exactly those, DeepSpeed's greedy buckets of at most
+    reduce_bucket_size."""
     psi, layer = _psi_and_layer()
     r = zeroedu.launch(_sizes, world_size=2)[0]
     auto = math.ceil(psi / 8)
@@ -52,11 +56,11 @@ def test_default_sizes_follow_the_model_and_explicit_ones_are_honoured():
     for stage in (0, 1):
         assert r[stage, False]["bucket"] == 50_000_000 and r[stage, False]["layout"] == [psi]
     assert r[2, False]["bucket"] == auto and r[2, False]["layout"] == [layer] * LAYERS + [WIDTH * 10 + 10]
-    assert r[3, False]["bucket"] == auto and r[3, False]["prefetch"] == auto
+    assert r[3, False]["bucket"] == layer and r[3, False]["prefetch"] == auto and r[3, False]["live"] == 2 * auto
     for stage in (0, 1, 2):   # 270,000 elements: one layer (262,656) per bucket, the head (5,130) with the last
         assert r[stage, True]["bucket"] == 270_000
         assert r[stage, True]["layout"] == [layer] * (LAYERS - 1) + [layer + WIDTH * 10 + 10]
-    assert r[3, True]["bucket"] == 270_000 and r[3, True]["prefetch"] == 10
+    assert r[3, True]["bucket"] == 270_000 and r[3, True]["prefetch"] == 10 and r[3, True]["live"] == 7
 
 
 def test_memory_falls_from_stage_0_to_3_at_the_defaults_with_peaks_near_fsdp2():

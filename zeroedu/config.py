@@ -94,15 +94,15 @@ class OffloadConfig:
 @dataclass(frozen=True)
 class ZeroConfig:
     stage: int = 0
-    # None (the key left out): zeroedu sizes the buffer to the model, where DeepSpeed uses a fixed 5e8 (reduce) and
-    # 5e7 (prefetch) elements; see zeroedu.stages.sizing. A value given is used as given, as in DeepSpeed.
+    # None (the key left out): zeroedu sizes it to the model, where DeepSpeed uses fixed element counts (reduce
+    # 5e8, prefetch 5e7, max live 1e9); see zeroedu.stages.sizing. A value given is used as given, as in DeepSpeed.
     reduce_bucket_size: int | None = None
     allgather_bucket_size: int = 50_000_000
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     stage3_prefetch_bucket_size: int | None = None
     stage3_param_persistence_threshold: int = 100_000
-    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_live_parameters: int | None = None
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=lambda: OffloadConfig(buffer_count=5))
     zero_quantized_weights: bool = False
@@ -292,8 +292,7 @@ def _parse_zero(raw: dict[str, Any]) -> ZeroConfig:
         stage3_param_persistence_threshold=_int(
             s, "stage3_param_persistence_threshold",
             raw.get("stage3_param_persistence_threshold", d.stage3_param_persistence_threshold), 0),
-        stage3_max_live_parameters=_int(
-            s, "stage3_max_live_parameters", raw.get("stage3_max_live_parameters", d.stage3_max_live_parameters), 1),
+        stage3_max_live_parameters=_size(s, raw, "stage3_max_live_parameters", 1),
         offload_optimizer=off_opt,
         offload_param=off_par,
         zero_quantized_weights=qw,

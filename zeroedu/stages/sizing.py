@@ -11,13 +11,20 @@ that should have a size of their own instead of growing with the model.
 So when a key is left out (or null), zeroedu sizes it to the model:
 - `reduce_bucket_size` at stages 0 and 1: STAGE01_BUCKET (5e7). There a bucket is a view into the flat
   gradient buffer and costs no memory of its own, and on few cores fewer, larger collectives run faster.
-- `reduce_bucket_size` at stages 2 and 3: Psi / BUCKETS_PER_MODEL, at least the largest unit (the parameters
-  one module owns, which stage 3 gathers and reduces whole) and at most STAGE01_BUCKET. The two buffers then
-  hold 2 Psi / BUCKETS_PER_MODEL elements, a fixed fraction of the model whatever its size, and a step runs
-  about BUCKETS_PER_MODEL reductions, as FSDP2 does with one group per block.
-- `stage3_prefetch_bucket_size`: the same Psi / BUCKETS_PER_MODEL (whatever `reduce_bucket_size` is). Stage 3
-  gathers ahead what the next units need, about one bucket, as FSDP2 gathers one group ahead; not the rest of
-  the model.
+- `reduce_bucket_size` at stage 2: Psi / BUCKETS_PER_MODEL, at least the largest unit (the parameters one
+  module owns) and at most STAGE01_BUCKET. The two buffers in flight then hold 2 Psi / BUCKETS_PER_MODEL
+  elements, a fixed fraction of the model whatever its size, and a step runs about BUCKETS_PER_MODEL
+  reductions, as FSDP2 does with one group per block.
+- `reduce_bucket_size` at stage 3: the largest unit. A stage-3 bucket holds whole units (each is released as
+  its gradients go into the bucket), so this is the smallest bucket every unit fits in: FSDP2 too reduces one
+  group at a time. Stage 3 is the stage whose peak the buffers weigh on most, since its model states are the
+  smallest.
+- `stage3_prefetch_bucket_size`: the same Psi / BUCKETS_PER_MODEL (whatever `reduce_bucket_size` is), and
+  `stage3_max_live_parameters`: twice that. Stage 3 gathers ahead what the next units need, about one bucket,
+  and stops prefetching while two buckets' worth are gathered (the unit computing and the next), as FSDP2
+  gathers one group ahead; not the rest of the model. (As in DeepSpeed, the prefetch size bounds what one
+  module's hook starts gathering; the hooks of nested modules each start their own, and only the live limit
+  bounds the sum.)
 
 A value the config gives is used as given, as DeepSpeed does (buckets of at most that many elements, a
 parameter larger than that in a bucket of its own).
@@ -46,11 +53,15 @@ def module_units(module: torch.nn.Module) -> list[tuple[torch.nn.Module, list[to
     return units
 
 
+def largest_unit(module: torch.nn.Module) -> int:
+    return max((sum(p.numel() for p in params) for _, params in module_units(module)), default=1)
+
+
 def model_numel(module: torch.nn.Module) -> int:
     """zeroedu's buffer size for this model: Psi / BUCKETS_PER_MODEL, at least its largest unit (so that a unit fits
     in one buffer), at most STAGE01_BUCKET."""
-    units = [sum(p.numel() for p in params) for _, params in module_units(module)] or [1]
-    return max(max(units), min(math.ceil(sum(units) / BUCKETS_PER_MODEL), STAGE01_BUCKET))
+    psi = sum(sum(p.numel() for p in params) for _, params in module_units(module))
+    return max(largest_unit(module), min(math.ceil(psi / BUCKETS_PER_MODEL), STAGE01_BUCKET))
 
 
 def reduce_bucket_numel(config, module: torch.nn.Module) -> int:
@@ -58,10 +69,18 @@ def reduce_bucket_numel(config, module: torch.nn.Module) -> int:
     zc = config.zero_optimization
     if zc.reduce_bucket_size is not None:
         return zc.reduce_bucket_size
-    return STAGE01_BUCKET if zc.stage < 2 else model_numel(module)
+    if zc.stage < 2:
+        return STAGE01_BUCKET
+    return model_numel(module) if zc.stage == 2 else largest_unit(module)
 
 
 def prefetch_numel(config, module: torch.nn.Module) -> int:
     """`stage3_prefetch_bucket_size` as the config gives it, or zeroedu's size for this model."""
     given = config.zero_optimization.stage3_prefetch_bucket_size
     return model_numel(module) if given is None else given
+
+
+def max_live_numel(config, module: torch.nn.Module) -> int:
+    """`stage3_max_live_parameters` as the config gives it, or two of zeroedu's buffers for this model."""
+    given = config.zero_optimization.stage3_max_live_parameters
+    return 2 * model_numel(module) if given is None else given

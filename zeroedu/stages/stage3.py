@@ -26,7 +26,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from zeroedu.flat import Bucket, FlatLayout
-from zeroedu.stages.sizing import module_units, prefetch_numel, reduce_bucket_numel
+from zeroedu.stages.sizing import max_live_numel, module_units, prefetch_numel, reduce_bucket_numel
 from zeroedu.stages.stage2 import Stage2
 
 
@@ -38,7 +38,7 @@ class Stage3(Stage2):
         zc = self.config.zero_optimization
         self.bucket_numel = reduce_bucket_numel(self.config, self.module)   # the config's, or sized to the model
         self.prefetch_numel = prefetch_numel(self.config, self.module)
-        self.max_live = zc.stage3_max_live_parameters
+        self.max_live = max_live_numel(self.config, self.module)
         # Units: the parameters each module owns directly; a shared parameter belongs to its first module.
         units = module_units(self.module)
         self.unit_modules = [m for m, _ in units]
