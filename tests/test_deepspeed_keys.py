@@ -64,11 +64,13 @@ def test_allgather_bucket_size_cuts_the_parameter_gather(keys):
 
 
 def test_contiguous_gradients_false_keeps_no_bucket_buffers(keys):
+    """zeroedu makes each bucket's buffer when the bucket fills and frees it once reduced (issue 21), so with or
+    without contiguous_gradients no bucket buffer is left between steps, and the training is the same."""
     r = keys[0]
     for stage in (2, 3):
         ours, ref = r[f"s{stage}-noncontiguous"], r[f"s{stage}"]
         assert ours["losses"] == ref["losses"] and param_rel(ours["params"], ref["params"]) == 0.0
-        assert ours["memory"]["resident"]["buckets"] == 0 < ref["memory"]["resident"]["buckets"]
+        assert ours["memory"]["resident"].get("buckets", 0) == ref["memory"]["resident"].get("buckets", 0) == 0
         assert ours["ledger"][1] == ref["ledger"][1]
 
 

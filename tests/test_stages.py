@@ -210,7 +210,9 @@ def test_stage3_coalescing_changes_the_collectives_not_the_result():
 
         out = {}
         for coalesce in (True, False):
-            cfg = load_config(config(3, accum=2, micro=1, persist=200))
+            # DeepSpeed's prefetch (5e7) and live limit (1e9): the forward's units start gathering together.
+            cfg = load_config(config(3, accum=2, micro=1, persist=200, stage3_prefetch_bucket_size=50_000_000,
+                                     stage3_max_live_parameters=1_000_000_000))
             engine = type("Stage3Under", (Stage3,), {"coalesce": coalesce})(make("gpt"), cfg)
             losses = []
             for s in range(3):

@@ -32,14 +32,58 @@ def _workload(d_model: int, layers: int):
     return TinyGPTConfig(vocab_size=512, seq_len=64, d_model=d_model, n_layer=layers, n_head=4)
 
 
-def _peer_model(kind: str, cfg, device: torch.device):
+MLP_CLASSES = 10
+
+
+def bench_mlp(width: int = 1024, layers: int = 8, seed: int = 0) -> torch.nn.Sequential:
+    """The MLP workload: `layers` blocks of Linear(width, width) + GELU, then a head to MLP_CLASSES classes."""
+    torch.manual_seed(seed)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(layers)]
+    return torch.nn.Sequential(*blocks, torch.nn.Linear(width, MLP_CLASSES))
+
+
+class Workload:
+    """A model the benchmark trains: how to build it, its blocks (one FSDP2 group each), its data and loss."""
+
+    def __init__(self, kind: str = "gpt", width: int = 256, layers: int = 4) -> None:
+        if kind not in ("gpt", "mlp"):
+            raise ValueError(f"workload must be 'gpt' or 'mlp', got {kind!r}")
+        self.kind, self.width, self.layers = kind, width, layers
+        self.gpt = _workload(width, layers) if kind == "gpt" else None
+
+    def model(self) -> torch.nn.Module:
+        from zeroedu.models import TinyGPT
+
+        return TinyGPT(self.gpt, seed=0) if self.gpt else bench_mlp(self.width, self.layers)
+
+    def blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        return list(model.blocks) if self.gpt else list(model)[: self.layers]
+
+    def batch(self, step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from zeroedu.models import gpt_batch
+
+        if self.gpt:
+            return gpt_batch(step, n, self.gpt)
+        g = torch.Generator().manual_seed(1234 * 100_003 + step)
+        return torch.randn(n, self.width, generator=g), torch.randint(0, MLP_CLASSES, (n,), generator=g)
+
+    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from zeroedu.models import gpt_loss, mlp_loss
+
+        return gpt_loss(out, y) if self.gpt else mlp_loss(out, y)
+
+    def describe(self) -> str:
+        if self.gpt:
+            return f"TinyGPT d_model={self.width} layers={self.layers}"
+        return f"MLP {self.layers} x (Linear({self.width}, {self.width}) + GELU) + head"
+
+
+def _peer_model(kind: str, work: Workload, device: torch.device):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from zeroedu.models import TinyGPT
-
-    model = TinyGPT(cfg, seed=0).to(device)
+    model = work.model().to(device)
     if kind in ("ddp", "zero_redundancy"):
         wrapped = DDP(model, bucket_cap_mb=25, gradient_as_bucket_view=True)
         if kind == "ddp":
@@ -47,7 +91,7 @@ def _peer_model(kind: str, cfg, device: torch.device):
         return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3,
                                                 fused=True)
     reshard = kind == "fsdp2_reshard"
-    for block in model.blocks:
+    for block in work.blocks(model):
         fully_shard(block, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
     return model, torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
@@ -78,119 +122,238 @@ ZERO = {"reduce_bucket_size": None, "stage3_prefetch_bucket_size": None,
         "stage3_max_live_parameters": 1_000_000_000, "stage3_param_persistence_threshold": 10_000}
 
 
-def zeroedu_config(stage: int, micro_batch: int, zero: dict | None = None, block: int = 1_000_000) -> dict:
-    """The benchmark's zeroedu config: Adam in fp32 as the peers run it, buckets as big as the peer's. DDP
-    (the peer of stages 0 and 1) all-reduces buckets of DDP_BUCKET_MB; FSDP2 (stages 2 and 3, one
-    fully_shard per transformer block) reduce-scatters, and gathers, one block of `block` elements at a time."""
-    zero = {**ZERO, **{k: v for k, v in (zero or {}).items() if v is not None}}
-    if zero["reduce_bucket_size"] is None:
-        zero["reduce_bucket_size"] = DDP_BUCKET_MB * 2**20 // 4 if stage < 2 else block
-    if zero["stage3_prefetch_bucket_size"] is None:
-        zero["stage3_prefetch_bucket_size"] = block
+def zeroedu_config(stage: int, micro_batch: int, zero: dict | None = None, block: int = 1_000_000,
+                   defaults: bool = False) -> dict:
+    """The benchmark's zeroedu config: Adam in fp32 as the peers run it.
+
+    Tuned (the default): buckets as big as the peer's. DDP (the peer of stages 0 and 1) all-reduces buckets of
+    DDP_BUCKET_MB; FSDP2 (stages 2 and 3, one fully_shard per block) reduce-scatters, and gathers, one block of
+    `block` elements at a time. defaults=True: nothing but the stage (and any knob given in `zero`), so
+    zeroedu sizes its buffers itself, as a user who writes the shortest config gets."""
+    given = {k: v for k, v in (zero or {}).items() if v is not None}
+    if defaults:
+        zero = given
+    else:
+        zero = {**ZERO, **given}
+        if zero["reduce_bucket_size"] is None:
+            zero["reduce_bucket_size"] = DDP_BUCKET_MB * 2**20 // 4 if stage < 2 else block
+        if zero["stage3_prefetch_bucket_size"] is None:
+            zero["stage3_prefetch_bucket_size"] = block
     return {"train_micro_batch_size_per_gpu": micro_batch,
             "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
             "zero_optimization": {"stage": stage, **zero}}
 
 
-def _bench_rank(rank: int, world: int, d_model: int, layers: int, rounds: int, warmup: int, mb: int,
-                zero: dict) -> dict:
-    """On every rank: each stage and its peer, one step each in turn (order alternating), same batches."""
+def _contenders(stage: int) -> list[str]:
+    """Who takes turns in a stage's rounds: zeroedu, its peer, and at stage 3 zeroedu's stage 2 too (the
+    communication-bound comparison: stage 3 sends 1.5x stage 2's bytes)."""
+    return ["zeroedu", "peer"] + (["zeroedu stage 2"] if stage == 3 else [])
+
+
+def _bench_rank(rank: int, world: int, work: Workload, rounds: int, warmup: int, mb: int, zero: dict,
+                defaults: bool) -> dict:
+    """On every rank: each stage and its peer, one step each in turn (order rotating), same batches."""
     import torch.distributed as dist
 
     import zeroedu
     from zeroedu import theory
-    from zeroedu.memory import PeakTracker, resident
-    from zeroedu.models import TinyGPT, gpt_batch, gpt_loss, shard_batch
+    from zeroedu.memory import resident
+    from zeroedu.models import shard_batch
 
-    cfg = _workload(d_model, layers)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    batches = [[t.to(device) for t in shard_batch(*gpt_batch(s, mb * world, cfg), rank, world)]
+    batches = [[t.to(device) for t in shard_batch(*work.batch(s, mb * world), rank, world)]
                for s in range(warmup + rounds + 1)]
+    block = max(sum(p.numel() for p in b.parameters()) for b in work.blocks(work.model()))
     out = {}
     for stage, peer, _ in PAIRS:
-        block = sum(p.numel() for p in TinyGPT(cfg, seed=0).blocks[0].parameters())
-        engine, *_ = zeroedu.initialize(model=TinyGPT(cfg, seed=0), config=zeroedu_config(stage, mb, zero, block))
-        model, opt = _peer_model(peer, cfg, device)
+        steps, owned, engines, models, opts = {}, {}, {}, {}, {}
+        for name in _contenders(stage):
+            if name == "peer":
+                model, opt = _peer_model(peer, work, device)
+                models[name], opts[name] = model, opt
 
-        def z_step(x, y, engine=engine):
-            engine.train_batch((x, y), gpt_loss)
+                def p_step(x, y, model=model, opt=opt):
+                    work.loss(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()   # torch's default (set_to_none=True): the peers' usual, fastest path
 
-        def p_step(x, y, model=model, opt=opt):
-            gpt_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()   # torch's default (set_to_none=True): the peers' usual, fastest path
-
-        runs = {"zeroedu": (z_step, engine.owned),
-                "peer": (p_step, lambda model=model, opt=opt: _peer_owned(model, opt))}
-        times: dict[str, list[float]] = {"zeroedu": [], "peer": []}
+                steps[name] = p_step
+                owned[name] = lambda model=model, opt=opt: _peer_owned(model, opt)
+                continue
+            config = zeroedu_config(2 if name.endswith("stage 2") else stage, mb, zero, block, defaults)
+            engine, *_ = zeroedu.initialize(model=work.model(), config=config)
+            engines[name] = engine
+            steps[name] = lambda x, y, e=engine: e.train_batch((x, y), work.loss)
+            owned[name] = engine.owned
+        names = list(steps)
+        times: dict[str, list[float]] = {n: [] for n in names}
         for r in range(warmup + rounds):
-            for who in (("zeroedu", "peer") if r % 2 == 0 else ("peer", "zeroedu")):
+            k = r % len(names)
+            for name in names[k:] + names[:k]:
                 dist.barrier()
                 t0 = time.perf_counter()
-                runs[who][0](*batches[r])
+                steps[name](*batches[r])
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 if r >= warmup:
-                    times[who].append(time.perf_counter() - t0)
+                    times[name].append(time.perf_counter() - t0)
         row = {"times": times}
-        for who, (step, owned) in runs.items():   # one more step each, under the memory tracker (not timed)
+        for name in names:   # one more step each, under torch's MemTracker (not timed)
             dist.barrier()
-            with PeakTracker(owned, lambda: "step") as tracker:
-                step(*batches[-1])
-            row[f"{who}_peak"] = tracker.peak_total
-            row[f"{who}_states"] = sum(resident({c: owned().get(c, []) for c in MODEL_STATES}).values())
+            e = engines.get(name)
+            external = [e.module, e.optimizer] if e else [models[name], opts[name]]
+            row[f"{name}_resident"], row[f"{name}_peak"] = live_bytes(steps[name], batches[-1], external, owned[name]())
+            row[f"{name}_states"] = sum(resident({c: owned[name]().get(c, []) for c in MODEL_STATES}).values())
+        engine = engines["zeroedu"]
         persistent = [b.padded for b in engine.layout.buckets if b.index in getattr(engine, "persistent", ())]
         th = theory.model_state_bytes(engine.layout.numel, world, stage, "fp32", layout=[b.numel for b in
                                                                                       engine.layout.buckets])
         # Stage 3 also keeps units below stage3_param_persistence_threshold whole on every rank, by design.
         row["theory_states"] = th["total"] + 4 * sum(persistent)
         row["sent_per_step"] = engine.ledger.per_step(warmup)["total"]
+        row["buckets"] = (engine.bucket_numel, getattr(engine, "prefetch_numel", None))
         out[stage] = row
-        del engine, model, opt, runs
+        del engines, engine, steps, owned, models, opts
     out["device"] = f"{dist.get_backend()} on {device.type.upper()}"
     return out
 
 
+def live_bytes(step, batch, external: list, owned: dict[str, list]) -> tuple[int, int]:
+    """(resident after, peak during) one step, in bytes of all live tensors on this rank, by torch's MemTracker: it
+    sees every tensor an operator makes on this thread and every storage resize (FSDP2 frees its gathered
+    parameters by resizing their storage to 0), plus the modules, optimizers and tensors it is told about."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*external, *(t for ts in owned.values() for t in ts if isinstance(t, torch.Tensor)))
+    with tracker:
+        step(*batch)
+
+    def total(snapshot: dict) -> int:
+        return sum(by_kind.get("Total", 0) for by_kind in snapshot.values())
+
+    return total(tracker.get_tracker_snapshot("current")), total(tracker.get_tracker_snapshot("peak"))
+
+
+def _ratio(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of the per-round ratios a / b, and their quartiles."""
+    ratios = sorted(x / y for x, y in zip(a, b, strict=True))
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return statistics.geometric_mean(ratios), q1, q3
+
+
 def run(world_size: int = 2, d_model: int = 256, layers: int = 4, rounds: int = 10, warmup: int = 2,
-        micro_batch: int = 4, zero: dict | None = None) -> list[dict]:
+        micro_batch: int = 4, zero: dict | None = None, workload: str = "gpt", defaults: bool = False) -> list[dict]:
     """Rows of the benchmark table. Per round, a step takes as long as its slowest rank; the ratio is the
     geometric mean over rounds of zeroedu's step time over the peer's in the same round (quartiles of the
-    per-round ratios show the spread)."""
+    per-round ratios show the spread). d_model is the MLP's width for workload="mlp"."""
     import zeroedu
 
+    work = Workload(workload, d_model, layers)
     results = zeroedu.launch(_bench_rank, world_size=world_size, timeout=3600, hang_timeout=600,
-                             args=(d_model, layers, rounds, warmup, micro_batch, zero or {}))
+                             args=(work, rounds, warmup, micro_batch, zero or {}, defaults))
     rows = []
     for stage, _, label in PAIRS:
         rs = [r[stage] for r in results]
-        z = [max(t) for t in zip(*(r["times"]["zeroedu"] for r in rs), strict=True)]
-        p = [max(t) for t in zip(*(r["times"]["peer"] for r in rs), strict=True)]
-        ratios = sorted(a / b for a, b in zip(z, p, strict=True))
-        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
-        rows.append({"stage": stage, "peer": label, "zeroedu_ms": 1e3 * statistics.median(z),
-                     "peer_ms": 1e3 * statistics.median(p), "ratio": statistics.geometric_mean(ratios),
-                     "ratio_q1": q1, "ratio_q3": q3, "rounds": len(ratios),
-                     "zeroedu_peak": max(r["zeroedu_peak"] for r in rs), "peer_peak": max(r["peer_peak"] for r in rs),
-                     "zeroedu_states": rs[0]["zeroedu_states"], "theory_states": rs[0]["theory_states"],
-                     "peer_states": rs[0]["peer_states"], "sent_per_step": rs[0]["sent_per_step"],
-                     "device": results[0]["device"]})
+        slowest = {n: [max(t) for t in zip(*(r["times"][n] for r in rs), strict=True)] for n in rs[0]["times"]}
+        ratio, q1, q3 = _ratio(slowest["zeroedu"], slowest["peer"])
+        row = {"stage": stage, "peer": label, "zeroedu_ms": 1e3 * statistics.median(slowest["zeroedu"]),
+               "peer_ms": 1e3 * statistics.median(slowest["peer"]), "ratio": ratio, "ratio_q1": q1, "ratio_q3": q3,
+               "rounds": len(slowest["zeroedu"]), "zeroedu_states": rs[0]["zeroedu_states"],
+               "theory_states": rs[0]["theory_states"], "peer_states": rs[0]["peer_states"],
+               "sent_per_step": rs[0]["sent_per_step"], "buckets": rs[0]["buckets"], "device": results[0]["device"],
+               "workload": work.describe(), "defaults": defaults}
+        for who in ("zeroedu", "peer"):
+            row[f"{who}_peak"] = max(r[f"{who}_peak"] for r in rs)
+            row[f"{who}_resident"] = max(r[f"{who}_resident"] for r in rs)
+        if "zeroedu stage 2" in slowest:
+            row["vs_stage2"] = _ratio(slowest["zeroedu"], slowest["zeroedu stage 2"])
+        rows.append(row)
     return rows
 
 
-def format_rows(rows: list[dict], world_size: int, d_model: int, layers: int) -> str:
+def format_rows(rows: list[dict], world_size: int, d_model: int | None = None, layers: int | None = None) -> str:
     mib = 1 << 20
-    lines = [f"TinyGPT d_model={d_model} layers={layers}, fp32 Adam, {world_size} ranks, {rows[0]['device']}, "
-             f"{rows[0]['rounds']} rounds",
-             "| stage | peer | zeroedu ms | peer ms | ratio: geometric mean (quartiles) | zeroedu peak MiB | "
-             "peer peak MiB | zeroedu model states MiB (theory) | peer states MiB | ledger MiB sent/step |",
+    config = ("defaults: nothing but the stage in zero_optimization" if rows[0].get("defaults") else
+              "tuned: buckets sized like the peer's")
+    lines = [f"{rows[0].get('workload') or f'TinyGPT d_model={d_model} layers={layers}'}, fp32, fused Adam, "
+             f"{world_size} ranks, {rows[0]['device']}, {rows[0]['rounds']} rounds; zeroedu {config}",
+             "| stage | peer | zeroedu ms | peer ms | ratio: geometric mean (quartiles) | "
+             "zeroedu resident / peak MiB | peer resident / peak MiB | zeroedu model states MiB (theory) | "
+             "ledger MiB sent/step | buckets (reduce, prefetch) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         at = "=" if r["zeroedu_states"] == r["theory_states"] else "!="
+        reduce, prefetch = r.get("buckets") or (None, None)
+        sizes = f"{reduce:,}" + (f", {prefetch:,}" if r["stage"] == 3 else "")
         lines.append(f"| {r['stage']} | {r['peer']} | {r['zeroedu_ms']:.1f} | {r['peer_ms']:.1f} | "
-                     f"{r['ratio']:.2f}x ({r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}) | {r['zeroedu_peak'] / mib:.1f} | "
-                     f"{r['peer_peak'] / mib:.1f} | {r['zeroedu_states'] / mib:.2f} {at} "
-                     f"{r['theory_states'] / mib:.2f} | {r['peer_states'] / mib:.2f} | "
-                     f"{r['sent_per_step'] / mib:.2f} |")
+                     f"{r['ratio']:.2f}x ({r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}) | "
+                     f"{r['zeroedu_resident'] / mib:.1f} / {r['zeroedu_peak'] / mib:.1f} | "
+                     f"{r['peer_resident'] / mib:.1f} / {r['peer_peak'] / mib:.1f} | "
+                     f"{r['zeroedu_states'] / mib:.2f} {at} {r['theory_states'] / mib:.2f} | "
+                     f"{r['sent_per_step'] / mib:.2f} | {sizes} |")
+    for r in rows:
+        if "vs_stage2" in r:
+            g, q1, q3 = r["vs_stage2"]
+            lines.append(f"\nstage 3 / zeroedu's own stage 2 (taking turns in stage 3's rounds): {g:.2f}x "
+                         f"({q1:.2f}-{q3:.2f})")
+    return "\n".join(lines)
+
+
+def _profile_rank(rank: int, world: int, work: Workload, steps: int, warmup: int, mb: int, zero: dict,
+                  defaults: bool) -> dict:
+    """zeroedu's stages 2 and 3 taking turns; per timed step: the engine's phases and its ledger's collectives."""
+    import torch.distributed as dist
+
+    import zeroedu
+    from zeroedu.models import shard_batch
+
+    engines = {s: zeroedu.initialize(model=work.model(), config=zeroedu_config(s, mb, zero, defaults=defaults))[0]
+               for s in (2, 3)}
+    batches = [shard_batch(*work.batch(i, mb * world), rank, world) for i in range(warmup + steps)]
+    times: dict[int, list[float]] = {s: [] for s in engines}
+    marks: dict[int, tuple[int, int]] = {}
+    for i in range(warmup + steps):
+        if i == warmup:
+            marks = {s: (len(e.timeline), len(e.ledger)) for s, e in engines.items()}
+        for s in ((2, 3) if i % 2 == 0 else (3, 2)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            engines[s].train_batch(batches[i], work.loss)
+            if i >= warmup:
+                times[s].append(time.perf_counter() - t0)
+    out = {}
+    for s, e in engines.items():
+        phases: dict[str, float] = {}
+        for name, t0, t1 in e.timeline[marks[s][0]:]:
+            phases[name] = phases.get(name, 0.0) + 1e3 * (t1 - t0) / steps
+        ops: dict[str, tuple[float, float]] = {}
+        for x in list(e.ledger)[marks[s][1]:]:
+            n, ms = ops.get(f"{x.phase}/{x.op}", (0.0, 0.0))
+            ops[f"{x.phase}/{x.op}"] = (n + 1 / steps, ms + 1e3 * x.seconds / steps)
+        out[s] = {"step": 1e3 * statistics.median(times[s]), "phases": phases, "ops": ops}
+    return out
+
+
+def profile(world_size: int = 2, workload: str = "mlp", d_model: int = 1024, layers: int = 8, steps: int = 12,
+            warmup: int = 4, micro_batch: int = 8, zero: dict | None = None, defaults: bool = True) -> str:
+    """Where zeroedu's stage 2 and stage 3 spend a step (rank 0): the phases from the engine's timeline, and each
+    kind of collective's count and wall time on the thread that ran it (waits for the other ranks included)."""
+    import zeroedu
+
+    work = Workload(workload, d_model, layers)
+    r = zeroedu.launch(_profile_rank, world_size=world_size, timeout=3600, hang_timeout=600,
+                       args=(work, steps, warmup, micro_batch, zero or {}, defaults))[0]
+    kinds = sorted({k for s in r for k in r[s]["ops"]})
+    lines = [f"{work.describe()}, {world_size} ranks, zeroedu {'defaults' if defaults else 'tuned'}: rank 0, ms per "
+             f"step over {steps} steps (stages 2 and 3 taking turns); collectives as count: ms",
+             "| stage | step (median) | forward | backward | step phase | " + " | ".join(kinds) + " |",
+             "|---|---|---|---|---|" + "---|" * len(kinds)]
+    for s in (2, 3):
+        ph, ops = r[s]["phases"], r[s]["ops"]
+        cells = [f"{ops[k][0]:.0f}: {ops[k][1]:.0f}" if k in ops else "-" for k in kinds]
+        lines.append(f"| {s} | {r[s]['step']:.0f} | {ph.get('forward', 0):.0f} | {ph.get('backward', 0):.0f} | "
+                     f"{ph.get('step', 0):.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -252,27 +415,46 @@ def collectives(world_size: int = 4, sizes_kib: tuple[float, ...] = (64 * 1024,)
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="zeroedu bench", description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=2, choices=[1, 2, 4])
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--workload", choices=["gpt", "mlp"], default="gpt",
+                    help="gpt: TinyGPT (vocab 512, 64 tokens); mlp: --layers x (Linear(--width) + GELU) + a head")
+    ap.add_argument("--d-model", "--width", dest="d_model", type=int, default=None,
+                    help="TinyGPT's d_model (default 256) or the MLP's width (default 1024)")
+    ap.add_argument("--layers", type=int, default=None, help="blocks (default: gpt 4, mlp 8)")
     ap.add_argument("--rounds", type=int, default=10, help="timed steps of each contender (after warm-up)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each contender first")
-    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--micro-batch", type=int, default=None, help="samples per rank (default: gpt 4, mlp 8)")
+    ap.add_argument("--defaults", action="store_true",
+                    help="zeroedu's config is nothing but the stage (and the knobs given below): its own default "
+                         "buffer sizes, as the shortest config gets them, instead of buckets sized like the peer's")
     for key, value in ZERO.items():
-        ap.add_argument("--" + key.removeprefix("stage3_").replace("_", "-"), dest=key, type=int, default=value,
+        ap.add_argument("--" + key.removeprefix("stage3_").replace("_", "-"), dest=key, type=int, default=None,
                         help=f"zero_optimization.{key} of zeroedu's config (default: "
-                             f"{'sized like the peer' if value is None else value})")
+                             f"{'sized like the peer' if value is None else value}; with --defaults: zeroedu's)")
     ap.add_argument("--collectives", action="store_true", help="time ring vs gloo collectives instead")
     ap.add_argument("--kib", type=float, nargs="+", default=[64 * 1024], help="tensor sizes for --collectives")
     ap.add_argument("--repeats", type=int, default=5, help="repeats per size for --collectives")
     ap.add_argument("--offload", action="store_true", help="add offload rows against FSDP2 CPUOffloadPolicy")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead: where zeroedu's stage 2 and stage 3 spend a step (phases, collectives)")
     a = ap.parse_args(argv)
     if a.collectives:
         print(collectives(a.world_size, tuple(a.kib), a.repeats))
         return 0
+    mlp = a.workload == "mlp"
+    a.d_model = a.d_model or (1024 if mlp else 256)
+    a.layers = a.layers or (8 if mlp else 4)
+    a.micro_batch = a.micro_batch or (8 if mlp else 4)
+    if a.offload and (mlp or a.defaults):
+        ap.error("--offload runs the gpt workload with tuned buckets; drop --workload mlp and --defaults")
     load = os.getloadavg()[0]
     zero = {key: getattr(a, key) for key in ZERO if getattr(a, key) is not None}   # the knobs given
-    rows = run(a.world_size, a.d_model, a.layers, a.rounds, a.warmup, a.micro_batch, zero)
-    print(format_rows(rows, a.world_size, a.d_model, a.layers))
+    if a.profile:
+        print(profile(a.world_size, a.workload, a.d_model, a.layers, a.rounds, a.warmup, a.micro_batch, zero,
+                      a.defaults))
+        print(f"\nload average (1 min) before: {load:.2f}, after: {os.getloadavg()[0]:.2f}, on {os.cpu_count()} cores")
+        return 0
+    rows = run(a.world_size, a.d_model, a.layers, a.rounds, a.warmup, a.micro_batch, zero, a.workload, a.defaults)
+    print(format_rows(rows, a.world_size))
     print(f"\nload average (1 min) before: {load:.2f}, after: {os.getloadavg()[0]:.2f}, on {os.cpu_count()} cores")
     if a.offload:
         offload = _offload_rows(a.world_size, a.d_model, a.layers, a.rounds, a.warmup, a.micro_batch, zero)

@@ -233,6 +233,7 @@ class _Worker:
                     fn()
                 except BaseException as e:  # handed to whoever waits
                     handle._error = e
+            del fn   # before the waiter wakes: the job's closure would keep the buffers it names alive
             with self.count:
                 self.pending -= 1
             handle._done.set()

@@ -308,7 +308,9 @@ class OffloadConfig:
 @dataclass(frozen=True)
 class ZeroConfig:
     stage: int = 0
-    reduce_bucket_size: int = 50_000_000
+    # None (the key left out): zeroedu sizes it to the model, where DeepSpeed uses fixed element counts (reduce
+    # 5e8, prefetch 5e7, max live 1e9); see zeroedu.stages.sizing. A value given is used as given, as in DeepSpeed.
+    reduce_bucket_size: int | None = None
     # None: one all-gather per reduce bucket after the step (zeroedu's default); a number: all-gathers of at most
     # this many elements, whatever the reduce buckets are, as DeepSpeed's stages 1-2 cut them.
     allgather_bucket_size: int | None = None
@@ -320,9 +322,9 @@ class ZeroConfig:
     # The optimizer step runs over sub-groups of master pieces of at most this many elements, one at a time.
     sub_group_size: int = 1_000_000_000
     round_robin_gradients: bool = False
-    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_prefetch_bucket_size: int | None = None
     stage3_param_persistence_threshold: int = 100_000
-    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_live_parameters: int | None = None
     stage3_gather_16bit_weights_on_model_save: bool = False
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=lambda: OffloadConfig(buffer_count=5))
@@ -331,10 +333,6 @@ class ZeroConfig:
     zero_hpz_partition_size: int = 1
     stage3_gather_16bit_weights_on_model_save: bool = False
 
-    @property
-    def bucket_numel(self) -> int:
-        """The smaller of the two bucket sizes."""
-        return min(self.reduce_bucket_size, self.allgather_bucket_size or self.reduce_bucket_size)
 
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -719,19 +717,17 @@ def _parse_zero(p: _Problems, raw: dict[str, Any]) -> ZeroConfig:
                        "gradients in one flat buffer, which is contiguous by construction.")
     return ZeroConfig(
         stage=stage,
-        reduce_bucket_size=p.get(s, raw, "reduce_bucket_size", d.reduce_bucket_size, _int, 1),
+        reduce_bucket_size=p.get(s, raw, "reduce_bucket_size", None, _int, 1),
         allgather_bucket_size=p.get(s, raw, "allgather_bucket_size", None, _int, 1),
         overlap_comm=p.get(s, raw, "overlap_comm", d.overlap_comm, _bool),
         contiguous_gradients=p.get(s, raw, "contiguous_gradients", True, _bool),
         reduce_scatter=p.get(s, raw, "reduce_scatter", True, _bool),
         sub_group_size=p.get(s, raw, "sub_group_size", d.sub_group_size, _int, 1),
         round_robin_gradients=round_robin,
-        stage3_prefetch_bucket_size=p.get(s, raw, "stage3_prefetch_bucket_size", d.stage3_prefetch_bucket_size,
-                                          _int, 0),
+        stage3_prefetch_bucket_size=p.get(s, raw, "stage3_prefetch_bucket_size", None, _int, 0),
         stage3_param_persistence_threshold=p.get(s, raw, "stage3_param_persistence_threshold",
                                                  d.stage3_param_persistence_threshold, _int, 0),
-        stage3_max_live_parameters=p.get(s, raw, "stage3_max_live_parameters", d.stage3_max_live_parameters,
-                                         _int, 1),
+        stage3_max_live_parameters=p.get(s, raw, "stage3_max_live_parameters", None, _int, 1),
         stage3_gather_16bit_weights_on_model_save=gather16,
         offload_optimizer=off_opt,
         offload_param=off_par,

@@ -13,14 +13,15 @@ import torch
 
 from zeroedu.engine import Engine
 from zeroedu.flat import Bucket, FlatLayout
+from zeroedu.stages.sizing import reduce_bucket_numel
 
 
 class Stage0(Engine):
     stage = 0
 
     def setup(self) -> None:
-        zc = self.config.zero_optimization
-        self.layout = FlatLayout(self.params, self.world_size, zc.reduce_bucket_size)
+        self.bucket_numel = reduce_bucket_numel(self.config, self.module)   # the config's, or sized to the model
+        self.layout = FlatLayout(self.params, self.world_size, self.bucket_numel)
         self.flat_params = self.layout.flatten([p.data for p in self.layout.params])
         for p, view in zip(self.layout.params, self.layout.param_views(self.flat_params), strict=True):
             p.data = view

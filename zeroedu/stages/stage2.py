@@ -1,15 +1,18 @@
 """Stage 2 (P_os+g): partition the gradients too.
 
 What changes from stage 1: no rank keeps a full-size gradient buffer. Autograd still produces each
-parameter's full gradient, but as soon as a bucket's gradients are all there they are copied into a small
-reusable bucket buffer, the parameters' .grad are freed, and the bucket is reduce-scattered into this rank's
+parameter's full gradient, but as soon as a bucket's gradients are all there they are copied into a bucket
+buffer, the parameters' .grad are freed, and the bucket is reduce-scattered into this rank's
 gradient shard. That happens at every micro-step (a shard cannot hold the sum of full gradients for later),
 so with gradient accumulation stage 2 communicates once per micro-step where stages 0 and 1 wait for the
-boundary. Two bucket buffers alternate so one can fill while the other is on the wire.
+boundary. A bucket buffer is made when its bucket is full and freed once it is reduce-scattered; at most two
+exist at once, so that one can fill while the other is on the wire, and between steps a rank holds its model
+states and nothing else. Without `reduce_bucket_size` in the config, a bucket is sized to the
+model (zeroedu.stages.sizing), not DeepSpeed's fixed 5e8 elements.
 
 Two DeepSpeed switches change this: `reduce_scatter: false` all-reduces each bucket and keeps this rank's
 piece (the same gradient for twice the bytes: a step moves 3 Psi instead of 2 Psi), and `contiguous_gradients:
-false` flattens each bucket into a new tensor instead of the two reusable buffers.
+false` changes nothing more here: each bucket's buffer is already a new tensor, freed once reduced.
 """
 
 from __future__ import annotations
@@ -26,10 +29,7 @@ class Stage2(Stage1):
     def setup_gradients(self) -> None:
         self.flat_grads = None
         self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
-        # contiguous_gradients: two reusable bucket buffers; false: each bucket flattened into a new tensor that
-        # lives until its reduction is done (no standing bucket memory, one allocation per bucket).
-        self.bucket_buffers = [torch.empty(self.bucket_buffer_numel(), dtype=self.dtype, device=self.device)
-                               for _ in range(2 if self.config.zero_optimization.contiguous_gradients else 0)]
+        self.bucket_buffers: list[torch.Tensor | None] = [None, None]   # the two in flight, while backward runs
         self._buffer_jobs: list = [None, None]
         self._next_buffer = 0
 
@@ -43,16 +43,19 @@ class Stage2(Stage1):
         return max(b.padded for b in self.layout.buckets)
 
     def take_bucket_buffer(self, b: Bucket | None = None) -> torch.Tensor:
-        """The next free bucket buffer (waiting for its previous reduce-scatter if needed), cut to b's size."""
-        if not self.bucket_buffers:   # contiguous_gradients false
-            return torch.empty(self.bucket_buffer_numel() if b is None else b.padded, dtype=self.dtype,
-                               device=self.device)
+        """A new buffer of b's size (None: the largest bucket's), once the older of the two buffers in flight is
+        done. Its reduce-scatter lets go of it: a rank holds only the bucket buffers still to be reduced."""
         i = self._next_buffer
         self._next_buffer = 1 - i
         if self._buffer_jobs[i] is not None:
             self._buffer_jobs[i].wait()
-        buf = self.bucket_buffers[i]
-        return buf if b is None else buf[: b.padded]
+        n = self.bucket_buffer_numel() if b is None else b.padded
+        self.bucket_buffers[i] = torch.empty(n, dtype=self.dtype, device=self.device)
+        return self.bucket_buffers[i]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        super().backward(loss)   # returns once every reduce-scatter is done
+        self.bucket_buffers, self._buffer_jobs, self._next_buffer = [None, None], [None, None], 0
 
     def reduce_bucket(self, b: Bucket) -> None:
         i = self._next_buffer
@@ -85,6 +88,7 @@ class Stage2(Stage1):
                     reduced.append(buf[self.rank * b.piece: (self.rank + 1) * b.piece])
             for out, r in zip(outs, reduced, strict=True):
                 out.add_(r)            # micro-steps accumulate in the shard
+            self.bucket_buffers[i] = None   # reduced: the buffer goes (the main thread takes slot i only after this)
 
         if self.overlap:
             self._buffer_jobs[i] = self.comm.run_async(job)

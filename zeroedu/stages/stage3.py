@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 from zeroedu import zero
 from zeroedu.checkpointing import recomputing
 from zeroedu.flat import Bucket, FlatLayout
+from zeroedu.stages.sizing import max_live_numel, module_units, prefetch_numel, reduce_bucket_numel
 from zeroedu.stages.stage2 import Stage2
 
 
@@ -37,18 +38,13 @@ class Stage3(Stage2):
 
     def setup(self) -> None:
         zc = self.config.zero_optimization
-        self.prefetch_numel = zc.stage3_prefetch_bucket_size
-        self.max_live = zc.stage3_max_live_parameters
+        self.bucket_numel = reduce_bucket_numel(self.config, self.module)   # the config's, or sized to the model
+        self.prefetch_numel = prefetch_numel(self.config, self.module)
+        self.max_live = max_live_numel(self.config, self.module)
         # Units: the parameters each module owns directly; a shared parameter belongs to its first module.
-        owner: dict[torch.nn.Parameter, torch.nn.Module] = {}
-        self.unit_modules: list[torch.nn.Module] = []
-        for m in self.module.modules():
-            mine = [p for p in m.parameters(recurse=False) if p.requires_grad and p not in owner]
-            for p in mine:
-                owner[p] = m
-            if mine:
-                self.unit_modules.append(m)
-        groups = [[p for p in m.parameters(recurse=False) if owner.get(p) is m] for m in self.unit_modules]
+        units = module_units(self.module)
+        self.unit_modules = [m for m, _ in units]
+        groups = [params for _, params in units]
         self.layout = FlatLayout(self.params, self.world_size, groups=groups)
         self._bucket_of = {p: b for b in self.layout.buckets for p in b.params}
         self.units_of = {m: sorted({self._bucket_of[p].index for p in m.parameters(recurse=False)
@@ -77,6 +73,8 @@ class Stage3(Stage2):
 
         self._waiting, self._reduced = {}, set()
         self._pending: list[tuple[Bucket, torch.Tensor]] = []   # units whose gradients wait in the bucket
+        self._grad_order: list[int] = []   # units in the order their gradients completed, in the first backward
+        self._recording_grads, self._grad_pos = True, 0
         self.setup_gradients()
         if self.dtype == torch.float32:   # the fp32 parameter shard is the master
             self.master_shard = None
@@ -235,35 +233,57 @@ class Stage3(Stage2):
         biggest = super().bucket_buffer_numel()
         if not self.coalesce:
             return biggest
-        return max(biggest, min(self.config.zero_optimization.reduce_bucket_size, self.layout.full_numel))
+        return max(biggest, min(self.bucket_numel, self.layout.full_numel))
 
     def reduce_bucket(self, b: Bucket) -> None:
-        """Unit b's gradients are complete: into the bucket with them, and release the unit."""
+        """Unit b's gradients are complete: release the unit (its backward is over), into the bucket with them."""
+        self.release(b.index)
         if not self.coalesce:
             super().reduce_bucket(b)
-        else:
-            filled = sum(x.padded for x, _ in self._pending)
-            if self._pending and filled + b.padded > len(self._bucket):
-                self.flush_gradients()
-                filled = 0
-            if not self._pending:
-                self._bucket_index = self._next_buffer
-                self._bucket = self.take_bucket_buffer()
-            buf = self._bucket[filled: filled + b.padded]
-            self.move_grads(b, buf)
-            self._pending.append((b, buf))
-        self.release(b.index)
+            return
+        filled = sum(x.padded for x, _ in self._pending)
+        if self._pending and filled + b.padded > len(self._bucket):
+            self.flush_gradients()
+            filled = 0
+        if not self._pending:
+            self._bucket_index = self._next_buffer
+            self._bucket = self.take_bucket_buffer()
+        buf = self._bucket[filled: filled + b.padded]
+        self.move_grads(b, buf)
+        self._pending.append((b, buf))
+        if self._next_would_not_fit(b, filled + b.padded):
+            self.flush_gradients()
+
+    def _next_would_not_fit(self, b: Bucket, filled: int) -> bool:
+        """Will the next unit to reduce (as the first backward recorded them) start a new bucket? Then this one
+        can go now instead of waiting for it: the same buckets, on the wire sooner, and not held while the next
+        unit's backward computes. Any other order than the recorded one: wait, as on the first backward."""
+        order, k = self._grad_order, self._grad_pos
+        self._grad_pos += 1
+        if self._recording_grads:
+            order.append(b.index)
+            return False
+        if k >= len(order) or order[k] != b.index:
+            self._grad_pos = len(order) + 1   # not the recorded order: no more predictions in this backward
+            return False
+        return k + 1 == len(order) or filled + self.layout.buckets[order[k + 1]].padded > len(self._bucket)
 
     def flush_gradients(self) -> None:
         """Reduce-scatter the units waiting in the bucket, in one collective."""
         if self._pending:
             units, bufs = zip(*self._pending, strict=True)
             self.reduce_to_shard(list(units), list(bufs), self._bucket_index)
-            self._pending = []
+            self._pending, self._bucket = [], None
+
+    def before_backward(self) -> None:
+        super().before_backward()
+        self._grad_pos = 0
 
     def after_backward(self) -> None:
         super().after_backward()
         self.flush_gradients()
+        if self._recording_grads and self._grad_order:
+            self._recording_grads = False   # the order units reached reduce_bucket: the next backwards' order
         for u in list(self.inflight):       # a prefetch nobody used
             self.fetch(u)
         for u in list(self.gathered):
