@@ -8,8 +8,8 @@ Each rank samples its resident set size (VmRSS, /proc/self/status) every `--ever
 (the first `--warmup` steps: allocator pools, the ledger's window filling up) the growth from the warm-up's end
 to the run's end must stay under `--bar-mib`. `--ledger unbounded` runs with `ledger.max_entries = None` (every
 entry kept, as before the ledger was bounded) for comparison. `engine.timeline` (three (phase, start, end) tuples
-a step) is a second list that grows with the run; `--trim-timeline` keeps its last 1,000 phases, as a bounded
-timeline in the engine would, to tell its growth from the ledger's. A benchmark with a bar, not a timed test:
+a step) is bounded by the engine too (it keeps between 5,000 and 10,000 phases, zeroedu.engine.trim_timeline);
+`--trim-timeline` keeps it tighter still, to 1,000 phases. A benchmark with a bar, not a timed test:
 the step time it prints depends on the machine and its load. Linux only (VmRSS).
 """
 

@@ -62,6 +62,15 @@ def initialize(model: torch.nn.Module | None = None, config=None, model_paramete
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
+TIMELINE_KEEP = 5_000   # phases kept: thousands of steps for plots; a long run's memory stays flat
+
+
+def trim_timeline(timeline: list) -> None:
+    """Keep the newest TIMELINE_KEEP entries, trimming in chunks (so indices taken recently stay valid)."""
+    if len(timeline) > 2 * TIMELINE_KEEP:
+        del timeline[:-TIMELINE_KEEP]
+
+
 def compute_device(model: torch.nn.Module, backend: str) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -205,6 +214,7 @@ class Engine:
         with self.comm.in_phase(name):
             yield
         self.timeline.append((name, t0, time.time()))
+        trim_timeline(self.timeline)
 
     def forward(self, *args, **kwargs):
         if self.device.type != "cpu":   # inputs follow the model to its GPU, as DDP's do

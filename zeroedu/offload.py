@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from zeroedu.comm import LedgerEntry
-from zeroedu.engine import make_optimizer
+from zeroedu.engine import make_optimizer, trim_timeline
 from zeroedu.flat import Bucket
 from zeroedu.memory import resident
 
@@ -482,6 +482,7 @@ class OffloadMixin:
             for master in self.master_pieces:
                 master.grad = None
             self.adam_timeline.append(("adam", t0, time.time()))
+            trim_timeline(self.adam_timeline)
             for b, master in zip(self.layout.buckets, self.master_pieces, strict=True):
                 self._write_back(b, master.detach())
         else:
@@ -520,6 +521,7 @@ class OffloadMixin:
             self.optimizer.step()    # only this piece has a gradient: Adam skips the others
             master.grad = None
             self.adam_timeline.append(("adam", t0, time.time()))
+            trim_timeline(self.adam_timeline)
             self._write_back(b, master.detach())   # copied or cast out of the buffer before its next read
             writes.append(self._io.submit(self._swap_out, i, self.global_step))
         for w in writes:
