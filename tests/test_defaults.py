@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 import zeroedu
 from zeroedu.config import load_config
@@ -38,7 +39,14 @@ def _sizes(rank: int, world: int) -> dict:
                            "stage3_max_live_parameters": 7}):
             engine, *_ = zeroedu.initialize(model=bench_mlp(WIDTH, LAYERS),
                                             config={"zero_optimization": {"stage": stage, **given}})
+            if stage >= 2:
+                from zeroedu.models import mlp_loss
+
+                x = torch.randn(4, WIDTH)
+                engine.train_batch((x, torch.zeros(4, dtype=torch.long)), mlp_loss)
             out[stage, bool(given)] = {"bucket": engine.bucket_numel, "prefetch": getattr(engine, "prefetch_numel", 0),
+                                       "high": getattr(engine, "bucket_bytes_high", 0),
+                                       "held": engine.memory()["resident"].get("buckets", 0),
                                        "live": getattr(engine, "max_live", 0),
                                        "layout": [b.numel for b in engine.layout.buckets]}
     return out
@@ -56,6 +64,10 @@ def test_default_sizes_follow_the_model_and_explicit_ones_are_honoured():
     for stage in (0, 1):
         assert r[stage, False]["bucket"] == 50_000_000 and r[stage, False]["layout"] == [psi]
     assert r[2, False]["bucket"] == auto and r[2, False]["layout"] == [layer] * LAYERS + [WIDTH * 10 + 10]
+    for stage in (2, 3):   # at most two bucket buffers at once during backward, none after it
+        for given in (False, True):
+            run = r[stage, given]   # fp32; a buffer: one bucket (padded to N = 2), at stage 3 up to bucket_numel
+            assert 0 < run["high"] <= 2 * 4 * (max(run["bucket"], *run["layout"]) + 1) and run["held"] == 0, run
     assert r[3, False]["bucket"] == layer and r[3, False]["prefetch"] == auto and r[3, False]["live"] == 2 * auto
     for stage in (0, 1, 2):   # 270,000 elements: one layer (262,656) per bucket, the head (5,130) with the last
         assert r[stage, True]["bucket"] == 270_000

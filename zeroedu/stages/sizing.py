@@ -1,12 +1,14 @@
 """How big the buffers are when the config does not say: where zeroedu's defaults differ from DeepSpeed's.
 
-DeepSpeed's defaults are fixed element counts: `reduce_bucket_size` 5e8 and `stage3_prefetch_bucket_size` 5e7.
-Its buffers are then min(size, model), which for any model below 5e8 parameters is the whole model. At stage 2
-the two reduce buffers that alternate (one fills while the other is on the wire) then hold 2 Psi elements, 8 Psi
-bytes in fp32: more than stage 2 saves by sharding the gradients, so the shortest config shows ZeRO-2 using
-more memory than ZeRO-1. At stage 3, a prefetch of 5e7 elements gathers the whole model at the first module.
-That memory is the C_B (constant buffers) of the ZeRO paper's ZeRO-R section: buffers that are needed, and
-that should have a size of their own instead of growing with the model.
+DeepSpeed's defaults are fixed element counts: `reduce_bucket_size` 5e8, `stage3_prefetch_bucket_size` 5e7,
+`stage3_max_live_parameters` 1e9. Its buffers are then min(size, model), which for any model below 5e8
+parameters is the whole model. At stage 2 the two reduce buffers that alternate (one fills while the other is
+on the wire) then hold 2 Psi elements, 8 Psi bytes in fp32: more than stage 2 saves by sharding the gradients,
+so the shortest config shows ZeRO-2 using more memory than ZeRO-1. At stage 3, a prefetch of 5e7 elements
+gathers the whole model at the first module. These are the buffers of ZeRO-R's C_B (constant-size buffers, in
+the ZeRO paper): kept at a fixed size so that they do not grow with the model; but a size fixed for billion-
+parameter models is, for a model of a few million, the whole model. zeroedu keeps the fixed cap (5e7) for
+large models and sizes the buffers to the model below it.
 
 So when a key is left out (or null), zeroedu sizes it to the model:
 - `reduce_bucket_size` at stages 0 and 1: STAGE01_BUCKET (5e7). There a bucket is a view into the flat

@@ -32,6 +32,7 @@ class Stage2(Stage1):
         self.bucket_buffers: list[torch.Tensor | None] = [None, None]   # the two in flight, while backward runs
         self._buffer_jobs: list = [None, None]
         self._next_buffer = 0
+        self.bucket_bytes_high = 0
 
     def reduces_this_micro_step(self) -> bool:
         return True
@@ -51,6 +52,8 @@ class Stage2(Stage1):
             self._buffer_jobs[i].wait()
         n = self.bucket_buffer_numel() if b is None else b.padded
         self.bucket_buffers[i] = torch.empty(n, dtype=self.dtype, device=self.device)
+        live = sum(t.untyped_storage().nbytes() for t in self.bucket_buffers if t is not None)
+        self.bucket_bytes_high = max(self.bucket_bytes_high, live)   # the most bucket bytes alive at once so far
         return self.bucket_buffers[i]
 
     def backward(self, loss: torch.Tensor) -> None:
