@@ -55,23 +55,37 @@ def _is_learner_file(filename: str) -> bool:
         not in filename and "/lib/python3" not in filename
 
 
-def learner_on_stack() -> bool:
-    """Is a frame of learner code (a notebook cell, exec'd text) between here and the grader's request?"""
+def learner_on_stack() -> str | None:
+    """The innermost frame of learner code (a notebook cell, exec'd text) between here and the grader's
+    request, as "function, line N", or None."""
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code is answer.__code__:
-            return False
-        if _is_learner_file(frame.f_code.co_filename):
-            return True
+            return None
+        # The outermost frame is the process's own start (`python -c ...` of multiprocessing's forkserver).
+        if frame.f_back is not None and _is_learner_file(frame.f_code.co_filename):
+            return f"{frame.f_code.co_name}, line {frame.f_lineno} of {frame.f_code.co_filename}"
         frame = frame.f_back
-    return False
+    return None
+
+
+def _is_learner_class(cls: type) -> bool:
+    """Defined in a notebook cell or exec'd text (module __main__, or a module with a learner's file), not in
+    zeroedu, torch or the standard library."""
+    module = getattr(cls, "__module__", "") or ""
+    if module == "__main__":
+        return True
+    loaded = sys.modules.get(module)
+    filename = getattr(loaded, "__file__", None)
+    if filename is None:
+        return loaded is None and module not in ("builtins",)
+    return _is_learner_file(filename)
 
 
 def learner_class(obj: Any) -> str | None:
-    """The name of the first class in obj's type's MRO that is not zeroedu's (or the standard library's)."""
+    """The name of the first learner class in obj's type's MRO, or None."""
     for cls in type(obj).__mro__:
-        module = getattr(cls, "__module__", "") or ""
-        if not module.startswith("zeroedu") and module not in ("builtins", "abc", "typing"):
+        if _is_learner_class(cls):
             return cls.__qualname__
     return None
 
@@ -98,8 +112,9 @@ def _block_method(cls: type, name: str, label: str) -> None:
         who = learner_class(self)
         if who is not None:
             raise WriteYourOwn(_message(label, f"your class {who}"))
-        if learner_on_stack():
-            raise WriteYourOwn(_message(label, "your code"))
+        where = learner_on_stack()
+        if where:
+            raise WriteYourOwn(_message(label, f"your code ({where})"))
         return original(self, *args, **kwargs)
 
     blocked._zeroedu_blocked = True  # type: ignore[attr-defined]
@@ -113,8 +128,9 @@ def _block_function(module: Any, name: str, label: str) -> None:
 
     @functools.wraps(original)
     def blocked(*args: Any, **kwargs: Any) -> Any:
-        if learner_on_stack():
-            raise WriteYourOwn(_message(label, "your code"))
+        where = learner_on_stack()
+        if where:
+            raise WriteYourOwn(_message(label, f"your code ({where})"))
         return original(*args, **kwargs)
 
     blocked._zeroedu_blocked = True  # type: ignore[attr-defined]
