@@ -30,7 +30,7 @@ from zeroedu.memory import MODEL_STATES
 
 GB = theory.GB
 
-__all__ = ["GLOBAL_BATCH", "LR", "STEPS", "compare_rows", "ds_config", "engine_summary", "local_engine",
+__all__ = ["DEEPSPEED_BUCKETS", "GLOBAL_BATCH", "LR", "STEPS", "compare_rows", "ds_config", "engine_summary", "local_engine",
            "markdown_table", "max_rel_diff", "min_time", "model_states", "one_step", "per_rank", "reference",
            "rel_weight_diff", "run_many", "show", "train",
            # notebooks 05-10
@@ -43,6 +43,9 @@ __all__ = ["GLOBAL_BATCH", "LR", "STEPS", "compare_rows", "ds_config", "engine_s
            "slowest_rank_samples"]
 
 GLOBAL_BATCH, STEPS, LR = 8, 4, 1e-3
+# DeepSpeed's default bucket sizes, written out: left out, zeroedu sizes buckets to the model (zeroedu.stages.sizing)
+DEEPSPEED_BUCKETS = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+                     "stage3_max_live_parameters": 1_000_000_000}
 
 
 # ---- notebooks 00-04 (course part A); general enough for any notebook: reuse before adding -----------------
@@ -120,6 +123,8 @@ def engine_summary(engine, step: int = 1, since: float | None = None, timeline_s
                                   if e.op == "all_reduce"),
         "layout": [b.numel for b in engine.layout.buckets],
         "buckets": [(len(b.params), b.numel, b.padded) for b in engine.layout.buckets],
+        # stages 2-3 make bucket buffers during backward only: the most bucket bytes alive at once
+        "bucket_bytes_high": getattr(engine, "bucket_bytes_high", None),
     }
     if since is not None:
         out["timeline"] = viz.timeline_data(engine, since=since, step=timeline_step)
