@@ -30,7 +30,8 @@ from zeroedu.memory import MODEL_STATES
 
 GB = theory.GB
 
-__all__ = ["DEEPSPEED_BUCKETS", "GLOBAL_BATCH", "LR", "STEPS", "compare_rows", "ds_config", "engine_summary", "local_engine",
+__all__ = ["DEEPSPEED_BUCKETS", "GLOBAL_BATCH", "LR", "STEPS", "compare_rows", "ds_config", "engine_summary",
+           "local_engine",
            "markdown_table", "max_rel_diff", "min_time", "model_states", "one_step", "per_rank", "reference",
            "rel_weight_diff", "run_many", "show", "train",
            # notebooks 05-10
