@@ -149,3 +149,40 @@ def test_batch_errors_show_the_arithmetic():
     c = load_config({"train_batch_size": 32, "gradient_accumulation_steps": 4}).for_world(4)
     assert (c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, c.train_batch_size) == (2, 4, 32)
     assert load_config({"train_micro_batch_size_per_gpu": 3}).for_world(4).train_batch_size == 12
+
+
+def _resume_rank(rank: int, world_size: int, ckpt: str) -> dict:
+    """WarmupLR over 6 steps: 3 steps, save, then 3 more; a fresh engine loads after step 3 and steps 3 more."""
+    from zeroedu.models import MLP, mlp_batch, mlp_loss, shard_batch
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                        "warmup_num_steps": 6, "warmup_type": "linear"}},
+           "zero_optimization": {"stage": 2}}
+
+    def run(engine, steps):
+        lrs = []
+        for s in steps:
+            x, y = shard_batch(*mlp_batch(s, 2 * world_size), rank, world_size)
+            engine.backward(mlp_loss(engine(x), y))
+            engine.step()
+            lrs.append(engine.get_lr()[0])
+        return lrs
+
+    straight, *_ = zeroedu.initialize(model=MLP(seed=0), config=cfg)
+    first = run(straight, range(3))
+    straight.save_checkpoint(ckpt)
+    rest = run(straight, range(3, 6))
+    resumed, *_ = zeroedu.initialize(model=MLP(seed=0), config=cfg)
+    resumed.load_checkpoint(ckpt)
+    return {"first": first, "rest": rest, "resumed": run(resumed, range(3, 6))}
+
+
+def test_a_checkpoint_keeps_the_schedule_position(tmp_path):
+    """Resumed after step 3, the learning rate goes on as the uninterrupted run's (a schedule restarted from
+    step 0 would repeat the first three, smaller, rates)."""
+    out = zeroedu.launch(_resume_rank, world_size=2, args=(str(tmp_path),))
+    for r in out:
+        lrs = r["first"] + r["rest"]
+        assert lrs == sorted(lrs) and lrs[0] < lrs[3]     # still warming up: every rate above the one before
+        assert r["resumed"] == r["rest"]

@@ -187,6 +187,19 @@ def _self_hash(meta: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+def _scheduler_state(engine) -> dict | None:
+    """The learning-rate schedule's position (a plain dict), or None without a scheduler."""
+    sched = getattr(engine, "lr_scheduler", None)
+    if sched is None or not hasattr(sched, "state_dict"):
+        return None
+    state = sched.state_dict()
+    try:
+        json.dumps(state)
+    except TypeError:   # a client scheduler holding functions or tensors: not kept (the resumed run restarts it)
+        return None
+    return state
+
+
 def _metadata(engine, tag: str, files: list[dict], elem: list[str], scalars: dict, extras: dict) -> dict:
     from zeroedu import __version__
 
@@ -203,6 +216,7 @@ def _metadata(engine, tag: str, files: list[dict], elem: list[str], scalars: dic
         "global_step": engine.global_step, "micro_step": engine.micro_step,
         "skipped_steps": engine.skipped_steps, "gradient_accumulation_steps": engine.accum,
         "loss_scaler": engine.scaler.state_dict(),
+        "lr_scheduler": _scheduler_state(engine),
         "numel": layout.numel, "full_numel": layout.full_numel, "shard_numel": layout.shard_numel,
         "padding": layout.full_numel - layout.numel,
         "buckets": [{"numel": b.numel, "padded": b.padded, "start": b.start, "shard_start": b.shard_start}
@@ -658,16 +672,15 @@ def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool
     each rank's RNG states when the world size is the one it was saved with.
 
     DeepSpeed's other switches: `load_module_only=True` loads the weights and buffers only (optimizer state,
-    counters, loss scaler and RNG stay as they are: fine-tuning from a checkpoint); zeroedu has no learning-rate
-    scheduler, so `load_lr_scheduler_states` has nothing to load; `load_module_strict` must stay True (zeroedu
-    loads a checkpoint only into the model it was saved from).
+    counters, loss scaler and RNG stay as they are: fine-tuning from a checkpoint); `load_lr_scheduler_states`
+    restores the learning-rate schedule's position where the checkpoint and the engine both have one;
+    `load_module_strict` must stay True (zeroedu loads a checkpoint only into the model it was saved from).
     """
     if not load_module_strict:
         raise CheckpointError("load_module_strict=False is not implemented in zeroedu: a checkpoint loads only into "
                               "the model it was saved from (same parameter names and shapes). Load it into that "
                               "model, or consolidate it (zeroedu consolidate) and load the state_dict with "
                               "model.load_state_dict(sd, strict=False).")
-    del load_lr_scheduler_states     # nothing to load: zeroedu has no scheduler ("scheduler" is not a config key)
     load_optimizer_states = load_optimizer_states and not load_module_only
     error, new, path, meta = None, None, "", {}
     try:
@@ -682,6 +695,9 @@ def load(engine, load_dir: str, tag: str | None = None, load_module_strict: bool
 
     with torch.no_grad():     # copies into parameters: not something autograd should record
         _apply(engine, new, meta, load_optimizer_states, load_module_only)
+    sched = getattr(engine, "lr_scheduler", None)
+    if load_lr_scheduler_states and not load_module_only and sched is not None and meta.get("lr_scheduler"):
+        sched.load_state_dict(meta["lr_scheduler"])
     return path, new["client_state"]
 
 
