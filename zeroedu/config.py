@@ -503,6 +503,11 @@ def _int(section: str, key: str, value: Any, lo: int, hi: int | None = None) -> 
     return value
 
 
+def _size(section: str, key: str, value: Any, lo: int) -> int | None:
+    """A buffer size in elements; null means automatic, as leaving the key out does (zeroedu.stages.sizing)."""
+    return None if value is None else _int(section, key, value, lo)
+
+
 def _float(section: str, key: str, value: Any, lo: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"'{_where(section, key)}' must be a number, got {value!r}.")
@@ -717,17 +722,17 @@ def _parse_zero(p: _Problems, raw: dict[str, Any]) -> ZeroConfig:
                        "gradients in one flat buffer, which is contiguous by construction.")
     return ZeroConfig(
         stage=stage,
-        reduce_bucket_size=p.get(s, raw, "reduce_bucket_size", None, _int, 1),
+        reduce_bucket_size=p.get(s, raw, "reduce_bucket_size", None, _size, 1),
         allgather_bucket_size=p.get(s, raw, "allgather_bucket_size", None, _int, 1),
         overlap_comm=p.get(s, raw, "overlap_comm", d.overlap_comm, _bool),
         contiguous_gradients=p.get(s, raw, "contiguous_gradients", True, _bool),
         reduce_scatter=p.get(s, raw, "reduce_scatter", True, _bool),
         sub_group_size=p.get(s, raw, "sub_group_size", d.sub_group_size, _int, 1),
         round_robin_gradients=round_robin,
-        stage3_prefetch_bucket_size=p.get(s, raw, "stage3_prefetch_bucket_size", None, _int, 0),
+        stage3_prefetch_bucket_size=p.get(s, raw, "stage3_prefetch_bucket_size", None, _size, 0),
         stage3_param_persistence_threshold=p.get(s, raw, "stage3_param_persistence_threshold",
                                                  d.stage3_param_persistence_threshold, _int, 0),
-        stage3_max_live_parameters=p.get(s, raw, "stage3_max_live_parameters", None, _int, 1),
+        stage3_max_live_parameters=p.get(s, raw, "stage3_max_live_parameters", None, _size, 1),
         stage3_gather_16bit_weights_on_model_save=gather16,
         offload_optimizer=off_opt,
         offload_param=off_par,
