@@ -286,7 +286,7 @@ def test_main_json_on_this_machine(capsys):
     assert report["ok"] is True and report["verdict"].startswith("READY")
     rows = {c["check"]: c for c in report["checks"]}
     assert set(rows) == {"python", "torch", "gloo", "gpus", "packages", "cores", "memory", "nvme disk", "loopback",
-                         "ranks", "jupyterlab", "widgets", "nbval"}
+                         "sandbox", "ranks", "jupyterlab", "widgets", "nbval"}
     assert all(c["status"] in (OK, WARN, FAIL) for c in rows.values())
     assert all(c["fix"] for c in rows.values() if c["status"] != OK)
     assert rows["ranks"]["data"]["world_size"] == 4 and rows["ranks"]["data"]["expected_sum"] == 10

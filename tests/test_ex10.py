@@ -121,9 +121,9 @@ WRONG = {
     },
     "ex10_typed_literals.cells": {
         "ex10-test-calls": "without calling any zeroedu function for claim(s) A1, A2, A3, A4, A5, A6, A7, A8, A9, A10",
-        "ex10-hidden-numbers": "your code raised KeyError: 'B1'",
-        "ex10-hidden-marks": "your code raised KeyError: 'B1'",
-        "ex10-hidden-calls": "your code raised KeyError: 'B1'",
+        "ex10-hidden-numbers": 'your code raised KeyError: "\'B1\'"',
+        "ex10-hidden-marks": 'your code raised KeyError: "\'B1\'"',
+        "ex10-hidden-calls": 'your code raised KeyError: "\'B1\'"',
     },
 }
 

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from zeroedu.grading.remote import in_kernel
+
 __all__ = ["KINDS", "SHEET_A", "SHEET_B", "Claim", "check_calls_zeroedu", "check_marks", "check_numbers",
            "reference", "sheet_markdown"]
 
@@ -244,7 +246,8 @@ def _calls_zeroedu(fn: Callable, *args) -> tuple[Any, bool]:
 
 def check_calls_zeroedu(correct: Callable[[Claim], float], sheet: list[Claim]) -> None:
     """Raise AssertionError naming every claim whose correction ran no zeroedu function (a typed literal)."""
-    typed = [c.id for c in sheet if not _calls_zeroedu(correct, c)[1]]
+    # traced where the learner's code runs: in the graded kernel (the grader only holds a stand-in for correct)
+    typed = [c.id for c in sheet if not in_kernel(_calls_zeroedu, correct, c)[1]]
     assert not typed, (f"correct() returned a number without calling any zeroedu function for claim(s) "
                        f"{', '.join(typed)}: compute each value with zeroedu.theory (or a short zeroedu.launch) so "
                        "that the correction holds for any sheet, not just this one")
