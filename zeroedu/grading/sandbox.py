@@ -114,9 +114,7 @@ class Sandbox:
                 "/dev/shm", "--perms", "1777", "--tmpfs", "/tmp", "--perms", "0755", "--tmpfs", "/run"]
         if os.geteuid() == 0:
             args += _reachable(_needed())
-        for path in self.hidden:
-            if path == Path("/tmp") or Path("/tmp") in path.parents:
-                continue  # the private /tmp hides it already
+        for path in self.hidden:   # after the binds above: a folder bound back (a course under /tmp) stays hidden
             if path.is_dir():
                 args += ["--tmpfs", str(path)]
             elif path.exists():
