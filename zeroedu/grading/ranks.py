@@ -118,7 +118,9 @@ def run_on_ranks(job: Callable, world_size: int, args: tuple = (), what: str = "
     collective the others wait in, and where it is."""
     timeout = timeout or launch_timeout()
     try:
-        return launch(job, world_size=world_size, args=args, timeout=timeout, hang_timeout=timeout)
+        # A wait in a collective is called a hang well before the whole run's limit: the launcher's hang check names
+        # the rank that is not in the collective; its time limit (a limit, not a diagnosis) blames no rank.
+        return launch(job, world_size=world_size, args=args, timeout=timeout, hang_timeout=0.5 * timeout)
     except RankError as e:
         head = str(e).split("\n\nTraceback from rank", 1)[0]
         head = " ".join(line.strip() for line in head.splitlines() if line.strip())
