@@ -134,6 +134,7 @@ def test_predict_seconds_by_hand():
 
 
 def _stages_on_ranks(rank: int, world_size: int) -> dict:
+    import torch
     import torch.distributed as dist
 
     import zeroedu
@@ -153,6 +154,19 @@ def _stages_on_ranks(rank: int, world_size: int) -> dict:
         dist.barrier()
         out[stage] = {"total": engine.ledger.per_step(1)["total"], "psi": engine.layout.numel,
                       "rows": [r for r in engine.ledger.rows() if r["step"] == 1 and r["kind"] in ("params", "grads")]}
+    # A training step's collectives are all about one bucket's size (~33 KB here), which cannot tell latency from
+    # bandwidth; a sweep of sizes through a counted Comm gives ledger rows that can (the fastest of 3 each).
+    from zeroedu.comm import Comm
+    sweep = Comm(implementation="ring")
+    for nbytes in (16 * 1024, 256 * 1024, 4 * 1024 * 1024):
+        x = torch.ones(nbytes // 4)
+        best = None
+        for _ in range(3):
+            dist.barrier()
+            sweep.all_reduce(x, average=False)
+            row = sweep.ledger.rows()[-1]
+            best = row if best is None or row["seconds"] < best["seconds"] else best
+        out.setdefault("sweep", []).append(best)
     return out
 
 
@@ -167,7 +181,8 @@ def test_planner_bytes_equal_a_live_ledger_and_calibrate_from_it():
     for stage in (0, 1, 2, 3):
         assert p.row(f"stage {stage}").comm_bytes == res[stage]["total"], stage
     assert res[3]["total"] * 2 == res[0]["total"] * 3            # 3 psi against 2 psi
-    rows = [r for s in res.values() for r in s["rows"]]
+    rows = [r for stage in (0, 1, 2, 3) for r in res[stage]["rows"]] + res["sweep"]
+    assert {r["tensor_bytes"] for r in res["sweep"]} == {16 * 1024, 256 * 1024, 4 * 1024 * 1024}
     link = planner.calibrate(rows, source="two gloo ranks")
     assert link.alpha_s >= 0 and link.beta_bytes_per_s > 0
     assert f"fit to {len(rows)} collectives from two gloo ranks" in link.describe()
