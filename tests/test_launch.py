@@ -641,13 +641,16 @@ def test_no_default_wall_clock_limit():
 
 
 def _steady_progress(rank, world_size, seconds):
-    """A healthy run: a collective every half second for `seconds`."""
+    """A healthy run: a collective every half second for `seconds`. Rank 0's clock decides when to stop (sent in
+    the collective itself), so every rank runs the same number of collectives whatever their start skew."""
     t0, n = time.monotonic(), 0
-    while time.monotonic() - t0 < seconds:
-        dist.all_reduce(torch.ones(8))
+    while True:
+        go = torch.tensor([1.0 if rank != 0 or time.monotonic() - t0 < seconds else 0.0])
+        dist.all_reduce(go, op=dist.ReduceOp.MIN)
+        if go.item() == 0.0:
+            return n
         time.sleep(0.5)
         n += 1
-    return n
 
 
 @pytest.mark.slow
