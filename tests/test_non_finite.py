@@ -62,3 +62,23 @@ def _init_with_inf_lr(rank, world_size):
 def test_a_rank_initializing_with_lr_inf_fails_with_the_key():
     with pytest.raises(zeroedu.launch.RankError, match=r"ConfigError: 'optimizer.params.lr' must be a finite"):
         zeroedu.launch(_init_with_inf_lr, world_size=2)
+
+
+@pytest.mark.parametrize("make, where", [
+    (lambda ps: torch.optim.Adam(ps, lr=math.inf), "optimizer= (Adam) has lr=inf"),
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=math.inf), "optimizer= (AdamW) has eps=inf"),
+    (lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=math.nan), "optimizer= (SGD) has momentum=nan"),
+])
+def test_a_client_optimizer_with_a_non_finite_hyperparameter_is_refused(make, where):
+    """A torch optimizer passed to initialize is read like the config's section, and refused like it."""
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError) as err:
+        zeroedu.initialize(model=model, optimizer=make(model.parameters()), config=BASE)
+    assert where in str(err.value) and "must be finite" in str(err.value), str(err.value)
+
+
+def test_model_parameters_with_a_non_finite_lr_are_refused():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"model_parameters has lr=inf: hyperparameters must be finite"):
+        zeroedu.initialize(model=model, model_parameters=[{"params": list(model.parameters()), "lr": math.inf}],
+                           config=BASE)

@@ -11,6 +11,7 @@ honoured is an error that says why and what to do instead.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -82,6 +83,16 @@ def _check_coverage(model: torch.nn.Module, params: list[torch.Tensor], where: s
             f"pass all the others.")
 
 
+def _check_finite(params: dict[str, Any], where: str) -> dict[str, Any]:
+    """The hyperparameters, or an error naming the first that is inf or NaN (lr=inf trains into NaN silently)."""
+    for key, value in params.items():
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{where} has {key}={value!r}: hyperparameters must be finite numbers. Build it "
+                                 f"with a finite {key}.")
+    return params
+
+
 def with_client_optimizer(cfg: Config, model: torch.nn.Module, optimizer, model_parameters) -> Config:
     """cfg with its optimizer section taken from a client optimizer (it wins over the config's, as in DeepSpeed),
     or from model_parameters' group hyperparameters."""
@@ -97,7 +108,7 @@ def with_client_optimizer(cfg: Config, model: torch.nn.Module, optimizer, model_
         shared = _one_hyperparameter_set(groups, "model_parameters")
         if not shared:
             return cfg
-        params = {**cfg.optimizer.params, **shared}
+        params = {**cfg.optimizer.params, **_check_finite(shared, "model_parameters")}
         return dataclasses.replace(cfg, optimizer=OptimizerConfig(type=cfg.optimizer.type, params=params))
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer= must be a torch.optim.Optimizer (or a callable that makes one from parameters), "
@@ -118,6 +129,7 @@ def with_client_optimizer(cfg: Config, model: torch.nn.Module, optimizer, model_
     for key in ("amsgrad", "nesterov"):
         if not params.get(key):
             params.pop(key, None)
+    _check_finite(params, f"optimizer= ({type(optimizer).__name__})")
     return dataclasses.replace(cfg, optimizer=OptimizerConfig(type=name, params=params))
 
 
