@@ -51,7 +51,7 @@ def test_real_deepspeed_keys_out_of_scope_are_refused_with_the_reason():
             ({"zero_optimization": {"mics_shard_size": 2}}, "zero_optimization.mics_shard_size", "MiCS"),
             ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
              "fp16.fp16_master_weights_and_grads", "fp32 master weights"),
-            ({"zero_optimization": {"cpu_offload": True}}, "zero_optimization.cpu_offload", "offload_optimizer")]:
+            ({"zero_optimization": {"zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.zenflow", "ZenFlow")]:
         m = err(cfg)
         assert key in m and "real DeepSpeed setting" in m and "does not implement" in m and reason in m, m
     assert "1-bit" in err({"optimizer": {"type": "OneBitAdam"}})
@@ -127,3 +127,103 @@ def test_offload_and_zeropp_need_the_right_stage():
     assert "'none', 'cpu' or 'nvme'" in err({"zero_optimization": {"stage": 2, "offload_optimizer": {
         "device": "gpu"}}})
     assert "stage 3 only" in err({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
+
+
+def test_all_problems_at_once_across_activation_checkpointing_and_data_types():
+    """activation_checkpointing and data_types report through the same collector as every other section."""
+    m = err({"pipeline": {}, "activation_checkpointing": {"bogus": 1, "cpu_checkpointing": True, "profile": "no"},
+             "data_types": {"grad_accum_dtype": "fp8", "extra": 1}, "zero_optimization": {"stage": 7}})
+    assert m.startswith("7 problems in this config"), m
+    for part in ["'pipeline'", "'zero_optimization.stage' must be between 0 and 3",
+                 "unknown config key 'activation_checkpointing.bogus'",
+                 "'activation_checkpointing.profile' must be true",
+                 "'activation_checkpointing.cpu_checkpointing' acts on partitioned checkpoints",
+                 "'data_types.grad_accum_dtype' must be 'fp32', 'bf16' or 'fp16'", "'data_types.extra'"]:
+        assert part in m, (part, m)
+    m = err({"activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True},
+             "fp16": {"enabled": 1}})
+    assert m.startswith("2 problems") and "needs 'activation_checkpointing.number_checkpoints'" in m, m
+    c = load_config({"activation_checkpointing": {"partition_activations": True, "number_checkpoints": 4},
+                     "data_types": {"grad_accum_dtype": "fp32"}})
+    assert c.activation_checkpointing.number_checkpoints == 4 and c.data_types.grad_accum_dtype == "fp32"
+    assert load_config({"data_types": {"grad_accum_dtype": None}}).data_types.grad_accum_dtype is None
+
+
+def test_contiguous_gradients_and_sub_group_size_say_when_they_change_nothing():
+    for stage in (0, 1, 2, 3):
+        notes = "\n".join(load_config({"zero_optimization": {"stage": stage, "contiguous_gradients": False}}).notes)
+        assert f"'zero_optimization.contiguous_gradients' false changes nothing at stage {stage}" in notes, notes
+    assert not load_config({"zero_optimization": {"stage": 2, "contiguous_gradients": True}}).notes
+    c = load_config({"zero_optimization": {"stage": 3, "sub_group_size": 1e6, "offload_optimizer": {"device": "cpu"}}})
+    assert c.zero_optimization.sub_group_size == 1_000_000
+    assert any("'zero_optimization.sub_group_size' is not applied with offload_optimizer" in n for n in c.notes)
+    assert not load_config({"zero_optimization": {"stage": 2, "sub_group_size": 1e6}}).notes
+
+
+def test_deprecated_spellings_deepspeed_still_maps():
+    """deepspeed/runtime/zero/config.py (0.19.8) maps cpu_offload and cpu_offload_param to {"device": "cpu"} and
+    refuses either next to its new key; runtime/precision_config.py reads "bfloat16" when "bf16" is absent."""
+    c = load_config({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True}})
+    assert c.zero_optimization.offload_optimizer.device == c.zero_optimization.offload_param.device == "cpu"
+    assert sum("deprecated in DeepSpeed" in n for n in c.notes) == 2
+    c = load_config({"zero_optimization": {"stage": 2, "cpu_offload": False}})
+    assert c.zero_optimization.offload_optimizer.device == "none"
+    m = err({"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}})
+    assert "both given" in m and "deprecated spelling of 'offload_optimizer'" in m
+    assert "only at stage 3" in err({"zero_optimization": {"stage": 2, "cpu_offload_param": True}})
+    c = load_config({"zero_optimization": {"stage": 2, "cpu_offload_use_pin_memory": True}})
+    assert any("cpu_offload_use_pin_memory" in n for n in c.notes)
+    assert load_config({"bfloat16": {"enabled": True}}).precision == "bf16"
+    c = load_config({"bf16": {"enabled": False}, "bfloat16": {"enabled": True}})
+    assert c.precision == "fp32" and any("ignored, since 'bf16' is given" in n for n in c.notes)
+    assert "bfloat16.enabled" in err({"bfloat16": {"enabled": "yes"}})
+    assert "bfloat16.immediate_grad_update" in err({"bfloat16": {"enabled": True, "immediate_grad_update": True}})
+
+
+def test_newer_deepspeed_keys_are_classified_not_typos():
+    # noted: accepted with what they would do
+    c = load_config({"zero_optimization": {"stage": 3, "stage3_model_persistence_threshold": 1000,
+                                           "offload_optimizer": {"device": "cpu", "cpuadam_cores_perc": 0.5}}})
+    notes = "\n".join(c.notes)
+    assert "caps the total elements kept whole" in notes and "CPUAdam" in notes
+    # default-only: accepted at DeepSpeed's default, refused otherwise with the reason
+    load_config({"dataloader_drop_last": False, "zero_optimization": {
+        "stage": 3, "parameter_alignment": False, "stage3_use_all_reduce_for_fetch_params": False,
+        "offload_optimizer": {"device": "cpu", "super_offload": False}, "zenflow": None}})
+    for cfg, key in [({"dataloader_drop_last": True}, "dataloader_drop_last"),
+                     ({"zero_optimization": {"parameter_alignment": True}}, "zero_optimization.parameter_alignment"),
+                     ({"zero_optimization": {"stage": 3, "stage3_use_all_reduce_for_fetch_params": True}},
+                      "zero_optimization.stage3_use_all_reduce_for_fetch_params"),
+                     ({"zero_optimization": {"stage": 3,
+                                             "offload_optimizer": {"device": "cpu", "super_offload": True}}},
+                      "zero_optimization.offload_optimizer.super_offload")]:
+        m = err(cfg)
+        assert f"'{key}' is a real DeepSpeed setting" in m and "other than at its default false" in m, m
+    # refused, null or not
+    assert "ZenFlow" in err({"zero_optimization": {"zenflow": {"offload": True}}})
+    load_config({"zero_optimization": {"zenflow": None}})
+    assert "unknown config key" not in err({"zero_optimization": {"zenflow": {}}, "dataloader_drop_last": 1})
+
+
+def test_auto_anywhere_gets_the_trainer_explanation():
+    m = err({"optimizer": {"type": "auto"}, "scheduler": {"type": "auto", "params": {}},
+             "prescale_gradients": "auto", "activation_checkpointing": {"partition_activations": "auto"},
+             "zero_optimization": {"ignore_unused_parameters": "auto"}})
+    assert m.startswith("5 problems"), m
+    for where in ("optimizer.type", "scheduler.type", "prescale_gradients", "activation_checkpointing.partition_"
+                  "activations", "zero_optimization.ignore_unused_parameters"):
+        assert f"'{where}' is \"auto\": a placeholder that the Hugging Face Trainer replaces" in m, (where, m)
+    assert '"AdamW"' in m and '"WarmupDecayLR"' in m and "write the value yourself (the Trainer would write false" in m
+    assert "must be one of" not in m and "unknown config key" not in m
+
+
+def test_zero_config_has_each_field_once():
+    import dataclasses
+
+    from zeroedu.config import ZeroConfig
+
+    names = [f.name for f in dataclasses.fields(ZeroConfig)]
+    assert len(names) == len(set(names))
+    assert names.count("stage3_gather_16bit_weights_on_model_save") == 1
+    assert load_config({"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True}}
+                       ).zero_optimization.stage3_gather_16bit_weights_on_model_save

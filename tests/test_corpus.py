@@ -68,3 +68,12 @@ def test_every_runnable_config_trains_three_steps(trained):
     assert sum(line.startswith("step=") and "skipped=" in line for line in results[0]["megatron-zero2"]["lines"]) == 3
     assert sum("time (ms) | fwd:" in line for line in results[0]["zero-infinity"]["lines"]) == 3
     assert any("'aio' tunes libaio" in line for line in results[0]["zero-infinity"]["lines"])
+
+
+def test_deprecated_cpu_offload_is_mapped_as_deepspeed_maps_it():
+    c = load_config(CORPUS["megatron-zero2-offload"]["config"])
+    assert c.zero_optimization.offload_optimizer.device == "cpu"
+    assert any("'zero_optimization.cpu_offload' is deprecated in DeepSpeed" in n for n in c.notes)
+    zero_config = pytest.importorskip("deepspeed.runtime.zero.config")
+    theirs = zero_config.DeepSpeedZeroConfig(**CORPUS["megatron-zero2-offload"]["config"]["zero_optimization"])
+    assert theirs.offload_optimizer is not None and theirs.offload_optimizer.device == "cpu"

@@ -175,3 +175,40 @@ def test_logging_keys_print_from_the_ledger_and_meter():
     assert len(ops) == sum(n for op, n in r["counts"].items() if op != "skipped_step")   # every collective, once
     body = r["summary"].splitlines()[1:]
     assert sum(int(row.split()[2]) for row in body) == sum(n for op, n in r["counts"].items() if op != "skipped_step")
+
+
+def test_client_adam_and_sgd_instances_train_as_their_config_equivalents():
+    """initialize(optimizer=torch.optim.Adam(...) / SGD(...)) reads the class and hyperparameters and shards the
+    state as the config's optimizer section would: the same losses and weights as the config run, at stage 2."""
+
+    def worker(rank: int, world: int) -> dict:
+        import torch
+
+        import zeroedu
+        from reference import LR, make
+        from workers import config, run_steps
+
+        base = {k: v for k, v in config(2).items() if k != "optimizer"}
+        cases = {
+            "Adam": ({"type": "Adam", "params": {"lr": LR, "betas": [0.8, 0.99], "eps": 1e-7}},
+                     lambda ps: torch.optim.Adam(ps, lr=LR, betas=(0.8, 0.99), eps=1e-7)),
+            "SGD": ({"type": "SGD", "params": {"lr": 10 * LR, "momentum": 0.9, "nesterov": True}},
+                    lambda ps: torch.optim.SGD(ps, lr=10 * LR, momentum=0.9, nesterov=True)),
+        }
+        out = {}
+        for name, (section, make_opt) in cases.items():
+            for how in ("config", "client"):
+                model = make("gpt")
+                kw = {"config": {**base, "optimizer": section}} if how == "config" else \
+                    {"config": base, "optimizer": make_opt(model.parameters())}
+                engine, *_ = zeroedu.initialize(model=model, **kw)
+                losses = run_steps(engine, "gpt", rank, world, 3)
+                out[(name, how)] = {"losses": losses, "params": engine.master_state_dict(),
+                                    "class": type(engine.optimizer).__name__}
+        return out
+
+    r = zeroedu.launch(worker, world_size=N, timeout=300)[0]
+    for name in ("Adam", "SGD"):
+        ours, ref = r[(name, "client")], r[(name, "config")]
+        assert ours["class"] == ref["class"] == name
+        assert ours["losses"] == ref["losses"] and param_rel(ours["params"], ref["params"]) == 0.0, name

@@ -64,9 +64,8 @@ _REFUSED: dict[str, dict[str, str]] = {
         "nebula": "Nebula is Azure's asynchronous checkpoint service",
     },
     "zero_optimization": {
-        "cpu_offload": "the old spelling: write \"offload_optimizer\": {\"device\": \"cpu\"}",
-        "cpu_offload_params": "the old spelling: write \"offload_param\": {\"device\": \"cpu\"}",
-        "cpu_offload_use_pin_memory": "the old spelling: write \"pin_memory\" inside offload_optimizer",
+        "zenflow": ("ZenFlow (update the most important gradients on the device at once and the rest later on the "
+                    "CPU) changes the optimizer's schedule; zeroedu steps every parameter at every step"),
         "mics_shard_size": "MiCS (sharding within sub-groups of ranks) is a different design from ZeRO's",
         "mics_hierarchical_params_gather": "MiCS (sharding within sub-groups of ranks) is a different design",
         "legacy_stage1": "the legacy stage-1 implementation does not exist here",
@@ -95,16 +94,32 @@ _DEFAULT_ONLY: dict[str, dict[str, tuple[Any, str]]] = {
         "communication_data_type": (None, "zeroedu reduces gradients in the compute dtype"),
         "sparse_gradients": (False, "zeroedu reduces dense gradients only"),
         "seq_parallel_communication_data_type": (None, "sequence parallelism is not implemented"),
+        # deepspeed/runtime/constants.py, DATALOADER_DROP_LAST_DEFAULT
+        "dataloader_drop_last": (False, "the loader initialize(training_data=...) returns keeps a last, shorter "
+                                        "batch, as DeepSpeed's does by default"),
     },
     "zero_optimization": {
         "ignore_unused_parameters": (True, "zeroedu always reduces zeros for a parameter without a gradient"),
         "load_from_fp32_weights": (True, "zeroedu's checkpoints always restore the fp32 master weights"),
         "allgather_partitions": (True, "zeroedu always all-gathers the updated parameters"),
         "log_trace_cache_warnings": (False, "zeroedu's stage 3 re-records its trace only on the first step"),
+        # deepspeed/runtime/zero/config.py (0.19.8): parameter_alignment pads stage 1-2's flat buffers so that every
+        # parameter starts 16-byte aligned; use_all_reduce_for_fetch_params gathers stage 3's parameters with an
+        # all-reduce (twice an all-gather's bytes) to save the host's concatenation.
+        "parameter_alignment": (False, "zeroedu pads each bucket to a multiple of N, not each parameter to 16 bytes"),
+        "stage3_use_all_reduce_for_fetch_params": (False, "zeroedu gathers parameters with all-gather, the ZeRO "
+                                                          "paper's collective, at (N-1)/N of the bytes"),
+    },
+    "zero_optimization.offload_optimizer": {
+        "super_offload": (False, "SuperOffload is DeepSpeed's offload for Superchips (Grace Hopper's CPU and GPU "
+                                 "sharing one coherent memory); zeroedu's CPU tier is the ordinary one"),
     },
     "bf16": {"check_grad_overflow": (False, "bf16 steps are not checked for overflow here, as by default in "
                                             "DeepSpeed")},
 }
+
+_REFUSED["bfloat16"] = _REFUSED["bf16"]           # DeepSpeed's older name for the section
+_DEFAULT_ONLY["bfloat16"] = _DEFAULT_ONLY["bf16"]
 
 # Accepted with a note: the key changes nothing here; the note says what it does in DeepSpeed and why.
 _GPU = "on a GPU machine"
@@ -124,6 +139,13 @@ _NOTED: dict[str, dict[str, str]] = {
         "stage3_max_reuse_distance": "not implemented: zeroedu releases a unit after its last use in forward and "
                                      "gathers it again for backward (3 Psi per step); DeepSpeed keeps a parameter "
                                      "gathered if it is used again within this many elements",
+        "stage3_model_persistence_threshold": "not applied: DeepSpeed caps the total elements kept whole by "
+                                              "stage3_param_persistence_threshold (no cap by default); here every "
+                                              "unit under that threshold stays whole, however many there are: "
+                                              "lower the threshold to keep fewer",
+        "cpu_offload_use_pin_memory": "DeepSpeed's deprecated 'cpu_offload_use_pin_memory' sets nothing in DeepSpeed "
+                                      "0.19.8 either; write 'pin_memory' inside offload_optimizer or offload_param "
+                                      f"(it matters {_GPU} only)",
     },
     "zero_optimization.offload_optimizer": {
         "fast_init": f"'fast_init' speeds up creating the optimizer state on NVMe {_GPU}; the result is the same",
@@ -131,6 +153,8 @@ _NOTED: dict[str, dict[str, str]] = {
                          "overlapped with the previous sub-group's step",
         "pipeline_write": f"'pipeline_write' overlaps NVMe writes with the step {_GPU}",
         "pipeline": f"'pipeline' overlaps NVMe reads and writes with the step {_GPU}",
+        "cpuadam_cores_perc": ("'cpuadam_cores_perc' is the share of CPU cores DeepSpeed's CPUAdam uses with "
+                               "super_offload; the CPU step here is torch's fused Adam on torch's own threads"),
     },
     "zero_optimization.offload_param": {
         "buffer_size": f"'buffer_size' sizes the pinned staging buffers for NVMe parameter reads {_GPU}",
@@ -158,8 +182,11 @@ _AUTO_FILLS = {
 }
 
 
-def _auto_problem(where: str) -> str:
-    fill = _AUTO_FILLS.get(where, "the value you mean")
+def _auto_problem(where: str, fill: str | None = None) -> str:
+    if fill is None and where.startswith("activation_checkpointing."):
+        fill = ("nothing: it fills no activation_checkpointing key, so write true or false (a count for "
+                "number_checkpoints)")
+    fill = fill or _AUTO_FILLS.get(where, "the value you mean")
     return (f"'{where}' is \"auto\": a placeholder that the Hugging Face Trainer replaces before DeepSpeed reads "
             f"the config. Outside the Trainer, write the value yourself (the Trainer would write {fill}).")
 
@@ -193,7 +220,11 @@ class _Problems:
             if key in known:
                 continue
             where = _where(section, key)
-            if key in _NOTED.get(section, {}):
+            if isinstance(value, str) and value == "auto" and key in _DEFAULT_ONLY.get(section, {}):
+                default = json.dumps(_DEFAULT_ONLY[section][key][0])
+                self.errors.append(_auto_problem(where, f"{default}, DeepSpeed's default, the one value zeroedu "
+                                                        "takes here"))
+            elif key in _NOTED.get(section, {}):
                 self.notes.append(_NOTED[section][key])
             elif key in _DEFAULT_ONLY.get(section, {}):
                 default, reason = _DEFAULT_ONLY[section][key]
@@ -202,8 +233,8 @@ class _Problems:
                                        f"other than at its default {json.dumps(default)}: {reason}. Remove it or "
                                        f"set it to {json.dumps(default)}.")
             elif key in _REFUSED.get(section, {}):
-                if isinstance(value, dict) and value.get("enabled") is False:
-                    continue  # a feature switched off asks for nothing
+                if value is None or isinstance(value, dict) and value.get("enabled") is False:
+                    continue  # a feature switched off (or null, DeepSpeed's "not set") asks for nothing
                 self.errors.append(f"'{where}' is a real DeepSpeed setting that zeroedu does not implement: "
                                    f"{_REFUSED[section][key]}. Remove it to run here.")
             else:
@@ -314,12 +345,22 @@ class ZeroConfig:
     # None: one all-gather per reduce bucket after the step (zeroedu's default); a number: all-gathers of at most
     # this many elements, whatever the reduce buckets are, as DeepSpeed's stages 1-2 cut them.
     allgather_bucket_size: int | None = None
+    # True at every stage here; DeepSpeed's default is None, made True at stage 3 only (`overlap_comm_valid` in
+    # deepspeed/runtime/zero/config.py), so its stages 1-2 reduce one bucket after the other unless the config says.
     overlap_comm: bool = True
-    # Stage 2-3: reduce buckets are two reusable buffers (True) or a fresh flattened tensor per bucket (False).
+    # Accepted and changes nothing: stages 0-1 reduce views of one flat gradient buffer, and stages 2-3 copy each
+    # bucket into a buffer of its own (made when the bucket is full, freed once reduced) with the switch on or off.
+    # In DeepSpeed it chooses between copying gradients into one preallocated reduce buffer (true) and reducing them
+    # where they are (false).
     contiguous_gradients: bool = True
     # Stages 1-3: reduce-scatter each gradient bucket (True), or all-reduce it and keep this rank's piece (False).
     reduce_scatter: bool = True
-    # The optimizer step runs over sub-groups of master pieces of at most this many elements, one at a time.
+    # Without offload_optimizer the optimizer step runs over sub-groups of master pieces of at most this many
+    # elements, one at a time. With offload_optimizer it is not applied (the host step runs over the whole shard at
+    # once; the NVMe tier moves one bucket's piece at a time): a note says so. DeepSpeed reads it in its stage-3
+    # optimizer ("Tile size for parameter processing ... Used by ZeRO3-Offload and ZeRO-Infinity",
+    # deepspeed.ai/docs/config-json/#zero-optimizations-for-fp16-training and sub_group_size in
+    # deepspeed/runtime/zero/config.py); its stages 1-2 ignore it.
     sub_group_size: int = 1_000_000_000
     round_robin_gradients: bool = False
     stage3_prefetch_bucket_size: int | None = None
@@ -331,8 +372,6 @@ class ZeroConfig:
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
     zero_hpz_partition_size: int = 1
-    stage3_gather_16bit_weights_on_model_save: bool = False
-
 
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -362,38 +401,32 @@ class DataTypesConfig:
     grad_accum_dtype: str | None = None
 
 
-def _check_keys(section: str, given: dict[str, Any], known: set[str]) -> None:
-    """One section's keys on their own: its problems raised at once (the sections parsed after the rest)."""
-    p = _Problems()
-    p.keys(section, given, known)
-    p.raise_if_any()
-
-
-def _parse_activation_checkpointing(raw: dict[str, Any]) -> ActivationCheckpointingConfig:
+def _parse_activation_checkpointing(p: _Problems, raw: dict[str, Any]) -> ActivationCheckpointingConfig:
     s = "activation_checkpointing"
     flags = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
              "synchronize_checkpoint_boundary", "profile")
-    _check_keys(s, raw, {*flags, "number_checkpoints"})
-    kw: dict[str, Any] = {k: _bool(s, k, raw[k]) for k in flags if k in raw}
+    p.keys(s, raw, {*flags, "number_checkpoints"})
+    kw: dict[str, Any] = {k: p.get(s, raw, k, False, _bool) for k in flags if k in raw}
     if raw.get("number_checkpoints") is not None:
-        kw["number_checkpoints"] = _int(s, "number_checkpoints", raw["number_checkpoints"], 1)
+        kw["number_checkpoints"] = p.get(s, raw, "number_checkpoints", None, _int, 1)
     out = ActivationCheckpointingConfig(**kw)
     for needs in ("cpu_checkpointing", "contiguous_memory_optimization"):
         if getattr(out, needs) and not out.partition_activations:
-            raise ConfigError(f"'{s}.{needs}' acts on partitioned checkpoints (as in DeepSpeed): set "
-                              f"'{s}.partition_activations' to true too (without tensor parallelism a partition "
-                              f"is the whole checkpoint).")
-    if out.contiguous_memory_optimization and out.number_checkpoints is None:
-        raise ConfigError(f"'{s}.contiguous_memory_optimization' needs '{s}.number_checkpoints': how many "
-                          f"checkpoints one forward makes (the contiguous buffer has that many slots).")
+            p.errors.append(f"'{s}.{needs}' acts on partitioned checkpoints (as in DeepSpeed): set "
+                            f"'{s}.partition_activations' to true too (without tensor parallelism a partition "
+                            f"is the whole checkpoint).")
+    auto = raw.get("number_checkpoints") == "auto"   # already reported as "auto"
+    if out.contiguous_memory_optimization and out.number_checkpoints is None and not auto:
+        p.errors.append(f"'{s}.contiguous_memory_optimization' needs '{s}.number_checkpoints': how many "
+                        f"checkpoints one forward makes (the contiguous buffer has that many slots).")
     return out
 
 
-def _parse_data_types(raw: dict[str, Any]) -> DataTypesConfig:
-    _check_keys("data_types", raw, {"grad_accum_dtype"})
+def _parse_data_types(p: _Problems, raw: dict[str, Any]) -> DataTypesConfig:
+    p.keys("data_types", raw, {"grad_accum_dtype"})
     dtype = raw.get("grad_accum_dtype")
-    if dtype is not None and dtype not in {"fp32", "bf16", "fp16"}:
-        raise ConfigError(f"'data_types.grad_accum_dtype' must be 'fp32', 'bf16' or 'fp16', got {dtype!r}.")
+    if dtype is not None:
+        dtype = p.get("data_types", raw, "grad_accum_dtype", None, _choice, ("fp32", "bf16", "fp16"))
     return DataTypesConfig(grad_accum_dtype=dtype)
 
 
@@ -531,13 +564,6 @@ def _refuse_non_finite(value: Any, where: str = "") -> None:
                           "that is off is 0 or the key left out, as DeepSpeed's defaults do).")
 
 
-def _section(raw: dict[str, Any], key: str) -> dict[str, Any]:
-    value = raw.get(key, {})
-    if not isinstance(value, dict):
-        raise ConfigError(f"'{key}' must be a JSON object (a dict), got {type(value).__name__}.")
-    return value
-
-
 def _choice(section: str, key: str, value: Any, choices: tuple) -> Any:
     if value not in choices:
         listed = ', '.join(map(repr, choices[:-1])) + f' or {choices[-1]!r}'
@@ -551,6 +577,9 @@ def _parse_optimizer(p: _Problems, raw: dict[str, Any]) -> OptimizerConfig:
     s = "optimizer"
     p.keys(s, raw, {"type", "params"})
     kind = raw.get("type", "Adam")
+    if kind == "auto":
+        p.errors.append(_auto_problem("optimizer.type", "\"AdamW\", its default optimizer"))
+        return OptimizerConfig()
     if kind in _DEEPSPEED_OPTIMIZERS:
         reason = ("communication-compressed (1-bit) optimizers are not part of ZeRO" if "One" in str(kind)
                   else "zeroedu implements torch's Adam, AdamW and SGD")
@@ -608,6 +637,10 @@ def _parse_scheduler(p: _Problems, raw: dict[str, Any]) -> SchedulerConfig | Non
     s = "scheduler"
     p.keys(s, raw, {"type", "params"})
     kind = raw.get("type")
+    if kind == "auto":
+        p.errors.append(_auto_problem("scheduler.type", "\"WarmupDecayLR\" for its linear warmup and decay; the "
+                                                        "others are " + ", ".join(schedulers.PARAMS)))
+        return None
     if kind not in schedulers.PARAMS:
         close = difflib.get_close_matches(str(kind), list(schedulers.PARAMS), n=1, cutoff=0.4)
         hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -688,10 +721,11 @@ def _parse_zero(p: _Problems, raw: dict[str, Any]) -> ZeroConfig:
         "reduce_scatter", "sub_group_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
         "stage3_max_live_parameters", "stage3_gather_16bit_weights_on_model_save",
         "stage3_gather_fp16_weights_on_model_save", "offload_optimizer", "offload_param", "zero_quantized_weights",
-        "zero_quantized_gradients", "zero_hpz_partition_size",
+        "zero_quantized_gradients", "zero_hpz_partition_size", *_DEPRECATED_OFFLOAD,
     }
     p.keys(s, raw, known)
     stage = p.get(s, raw, "stage", d.stage, _int, 0, 3)
+    raw = _map_deprecated_offload(p, raw)
     off_opt = _parse_offload(p, f"{s}.offload_optimizer", p.section(raw, "offload_optimizer", s),
                              d.offload_optimizer.buffer_count)
     off_par = _parse_offload(p, f"{s}.offload_param", p.section(raw, "offload_param", s), d.offload_param.buffer_count)
@@ -720,6 +754,15 @@ def _parse_zero(p: _Problems, raw: dict[str, Any]) -> ZeroConfig:
     if stage < 2 and p.get(s, raw, "contiguous_gradients", True, _bool) is False:
         p.notes.append(f"'{s}.contiguous_gradients' false changes nothing at stage {stage}: stages 0-1 keep the "
                        "gradients in one flat buffer, which is contiguous by construction.")
+    elif raw.get("contiguous_gradients") is False:
+        p.notes.append(f"'{s}.contiguous_gradients' false changes nothing at stage {stage}: zeroedu copies each "
+                       "bucket's gradients into a buffer made for that bucket and freed once it is reduced, with the "
+                       "switch on or off (DeepSpeed, with it false, reduces the gradients where they lie instead of "
+                       "copying them into one preallocated buffer).")
+    if "sub_group_size" in raw and off_opt.device != "none":
+        p.notes.append(f"'{s}.sub_group_size' is not applied with offload_optimizer: the host step runs over the "
+                       "whole shard at once (the NVMe tier moves one bucket's piece at a time, whatever this says). "
+                       "DeepSpeed reads it at stage 3 (ZeRO-3 Offload and ZeRO-Infinity) only.")
     return ZeroConfig(
         stage=stage,
         reduce_bucket_size=p.get(s, raw, "reduce_bucket_size", None, _size, 1),
@@ -742,10 +785,36 @@ def _parse_zero(p: _Problems, raw: dict[str, Any]) -> ZeroConfig:
     )
 
 
+# DeepSpeed 0.19.8 still maps these deprecated keys (deepspeed/runtime/zero/config.py: cpu_offload ->
+# offload_optimizer, cpu_offload_param -> offload_param, each {"device": "cpu"} when true); so does zeroedu, with a
+# note.
+_DEPRECATED_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+
+
+def _map_deprecated_offload(p: _Problems, raw: dict[str, Any]) -> dict[str, Any]:
+    s = "zero_optimization"
+    out = dict(raw)
+    for old, new in _DEPRECATED_OFFLOAD.items():
+        if old not in out:
+            continue
+        value = p.get(s, out, old, None, _bool)
+        del out[old]
+        if new in raw:
+            p.errors.append(f"'{s}.{old}' and '{s}.{new}' are both given: '{old}' is the deprecated spelling of "
+                            f"'{new}' (DeepSpeed refuses the two together too). Keep '{new}'.")
+            continue
+        p.notes.append(f"'{s}.{old}' is deprecated in DeepSpeed: write \"{new}\": {{\"device\": \"cpu\"}}"
+                       + (" (read as that here)." if value else " (false: no offload)."))
+        if value:
+            out[new] = {"device": "cpu"}
+    return out
+
+
 _TOP = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "steps_per_print", "wall_clock_breakdown",
     "memory_breakdown", "comms_logger", "dump_state", "comm_implementation", "activation_checkpointing", "data_types",
+    "bfloat16",
 }
 
 
@@ -774,9 +843,15 @@ def load_config(config: dict[str, Any] | str | os.PathLike | Config | None) -> C
     p.keys("", config, _TOP)
 
     fp16 = _parse_fp16(p, p.section(config, "fp16"))
-    bf16_raw = p.section(config, "bf16")
-    p.keys("bf16", bf16_raw, {"enabled"})
-    bf16 = BF16Config(enabled=p.get("bf16", bf16_raw, "enabled", False, _bool))
+    # "bfloat16" is DeepSpeed's older name for the section; DeepSpeed reads it only when "bf16" is absent
+    # (get_bfloat16_config in deepspeed/runtime/precision_config.py), and so does zeroedu.
+    bf16_key = "bfloat16" if "bfloat16" in config and "bf16" not in config else "bf16"
+    if "bfloat16" in config:
+        p.notes.append("'bfloat16' is DeepSpeed's older name for 'bf16': " + (
+            "read as 'bf16'." if bf16_key == "bfloat16" else "ignored, since 'bf16' is given (as DeepSpeed does)."))
+    bf16_raw = p.section(config, bf16_key)
+    p.keys(bf16_key, bf16_raw, {"enabled"})
+    bf16 = BF16Config(enabled=p.get(bf16_key, bf16_raw, "enabled", False, _bool))
     if fp16.enabled and bf16.enabled:
         p.errors.append("'fp16.enabled' and 'bf16.enabled' are both true: choose one precision.")
 
@@ -799,8 +874,8 @@ def load_config(config: dict[str, Any] | str | os.PathLike | Config | None) -> C
         comms_logger=_parse_comms_logger(p, p.section(config, "comms_logger")),
         dump_state=p.get("", config, "dump_state", False, _bool),
         comm_implementation=impl,
-        activation_checkpointing=_parse_activation_checkpointing(_section(config, "activation_checkpointing")),
-        data_types=_parse_data_types(_section(config, "data_types")),
+        activation_checkpointing=_parse_activation_checkpointing(p, p.section(config, "activation_checkpointing")),
+        data_types=_parse_data_types(p, p.section(config, "data_types")),
         batch_keys_given=tuple(k for k in _BATCH_KEYS if batch.get(k) is not None),
         notes=tuple(dict.fromkeys(p.notes)),
     )
