@@ -1,5 +1,5 @@
-"""zeroedu.planner: Table 1, recommendations for known cases, the alpha-beta times by hand, calibration
-(also from a live ledger), CLI."""
+"""zeroedu.planner: the ZeRO paper's Figure 1 example, recommendations for known cases, the alpha-beta times by
+hand, calibration (also from a live ledger), CLI."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def korthikanti(layers, hidden, heads, seq, batch, vocab, recompute=False):
     return kept + 4 * seq * batch * vocab
 
 
-def test_table_1_model_states():
-    """ZeRO paper Table 1: 7.5B on 64 GPUs -> 120, 31.4, 16.6, 1.9 GB of model states per device."""
+def test_figure_1_model_states():
+    """ZeRO paper, Figure 1: 7.5B on 64 GPUs -> 120, 31.4, 16.6, 1.9 GB of model states per device."""
     p = planner.plan("7.5B", gpus=64, gpus_per_node=8)
     got = [round(p.row(f"stage {s}").model_states / GB, 1) for s in range(4)]
     assert got == [120.0, 31.4, 16.6, 1.9]

@@ -12,8 +12,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 # -- model states -------------------------------------------------------------------------------------------
-def test_zero_paper_table_1():
-    """Rajbhandari et al. 2020, Table 1: 7.5B parameters, 64 GPUs, K = 12 -> 120, 31.4, 16.6, 1.9 GB."""
+def test_zero_paper_figure_1():
+    """Rajbhandari et al. 2020, Figure 1: 7.5B parameters, 64 GPUs, K = 12 -> 120, 31.4, 16.6, 1.9 GB."""
     paper = [theory.model_state_bytes_paper(7.5e9, 64, s) / theory.GB for s in range(4)]
     assert [round(x, 1) for x in paper] == [120.0, 31.4, 16.6, 1.9]
     # 7.5e9 is a multiple of 64: the padded, exact form gives the same bytes.

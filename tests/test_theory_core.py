@@ -7,8 +7,8 @@ import pytest
 from zeroedu import theory
 
 
-def test_paper_table_1():
-    """Rajbhandari et al. 2020, Table 1: 7.5B parameters on 64 GPUs, K = 12 -> 120, 31.4, 16.6, 1.9 GB."""
+def test_paper_figure_1():
+    """Rajbhandari et al. 2020, Figure 1: 7.5B parameters on 64 GPUs, K = 12 -> 120, 31.4, 16.6, 1.9 GB."""
     got = [round(theory.model_state_bytes_paper(7.5e9, 64, s) / 1e9, 1) for s in range(4)]
     assert got == [120.0, 31.4, 16.6, 1.9]
     # The exact form agrees with the paper when nothing needs padding.

@@ -121,11 +121,12 @@ def model_state_bytes(psi: int, world_size: int, stage: int, precision: str = "b
 
 
 def model_state_bytes_paper(psi: float, world_size: int, stage: int, K: float = 12) -> float:
-    """The ZeRO paper's model-state bytes per rank (Rajbhandari et al. 2020, Sec. 5 and Table 1), a float:
+    """The ZeRO paper's model-state bytes per rank (Rajbhandari et al. 2020, Sec. 5), a float:
     2 psi of fp16 parameters + 2 psi of fp16 gradients + K psi of optimizer states, no padding:
     stage 0 (4 + K) psi, stage 1 4 psi + K psi / N, stage 2 2 psi + (2 + K) psi / N, stage 3 (4 + K) psi / N.
 
-    7.5B parameters on 64 GPUs give 120, 31.4, 16.6 and 1.9 GB for stages 0-3 (Table 1)."""
+    7.5B parameters on 64 GPUs give 120, 31.4, 16.6 and 1.9 GB for stages 0-3 (the paper's Figure 1); its Table 1
+    sweeps the same formulas over N and model sizes (stage 3 at N = 64 prints there as 1.88 GB)."""
     return model_state_bytes_paper_parts(psi, world_size, stage, K)["total"]
 
 
