@@ -40,8 +40,8 @@ __all__ = ["DEEPSPEED_BUCKETS", "GLOBAL_BATCH", "LR", "STEPS", "compare_rows", "
            # notebooks 13 and 15
            "Verdict", "Verdicts", "paper_example", "cheat_sheet_rows", "interview_config", "interview_train",
            "interview_measure", "interview_four_ranks", "interview_two_ranks", "interview_evidence", "cpu_adam_rate",
-           "korthikanti_activation_bytes", "time_ring_collectives", "ledger_of_one_step", "clock_and_ledger",
-           "slowest_rank_samples"]
+           "korthikanti_activation_bytes", "time_ring_collectives", "calibrate_link", "ledger_of_one_step",
+           "clock_and_ledger", "slowest_rank_samples"]
 
 GLOBAL_BATCH, STEPS, LR = 8, 4, 1e-3
 # DeepSpeed's default bucket sizes, written out: left out, zeroedu sizes buckets to the model (zeroedu.stages.sizing)
@@ -569,11 +569,14 @@ def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, seq
 
 
 # -- the choosing notebook's check of the planner ---------------------------------------------------------------
-def time_ring_collectives(sizes: Sequence[int] = (16 * 1024, 128 * 1024, 1024 * 1024, 4 * 1024 * 1024),
-                          tries: int = 3) -> list[tuple[str, int, int, float]]:
+RING_SWEEP = tuple(16 * 1024 * 4**k for k in range(6))       # 16 KiB ... 16 MiB, as notebook 02 sweeps
+
+
+def time_ring_collectives(sizes: Sequence[int] = RING_SWEEP, tries: int = 3) -> list[tuple[str, int, int, float]]:
     """On a rank: time zeroedu's ring all-reduce, reduce-scatter and all-gather of each size in bytes (fp32), the
     fastest of `tries` (each after a barrier, min_time). Returns (op, bytes, world size, seconds) samples for
-    planner.calibrate."""
+    calibrate_link (or planner.calibrate). The sweep reaches 16 MiB: below about 1 MiB a loaded CPU's times are
+    mostly latency and scatter, and only the large sizes show the bandwidth."""
     from zeroedu.comm import Comm
     world_size = dist.get_world_size()
     comm, samples = Comm(implementation="ring"), []
@@ -584,6 +587,37 @@ def time_ring_collectives(sizes: Sequence[int] = (16 * 1024, 128 * 1024, 1024 * 
                "all_gather": lambda x=x, piece=piece: comm.all_gather(x, piece)}
         samples += [(op, nbytes, world_size, min_time(fn, tries)) for op, fn in run.items()]
     return samples
+
+
+def calibrate_link(samples: Iterable[tuple[str, int, int, float]], name: str = "this machine",
+                   source: str = "timed ring collectives") -> tuple:
+    """planner.calibrate for a notebook: (Link, note), and never an error on flat, noisy timings.
+
+    `samples` are (op, nbytes, world_size, seconds), as time_ring_collectives returns them. When the times grow
+    with the bytes, this is planner.calibrate's alpha-beta fit and `note` is "". On a loaded machine they may not:
+    every size takes about as long as the scheduler lets it, the best-fitting line slopes down, and
+    theory.fit_alpha_beta refuses it ("times do not grow with bytes"). Then alpha is set to 0 and beta is the
+    least-squares bandwidth on the relative error (theory.fit_alpha_beta's own fallback when alpha comes out
+    negative), and `note` says so in a sentence a notebook can show next to the numbers."""
+    from zeroedu import planner
+
+    samples = list(samples)
+    try:
+        return planner.calibrate(samples, name=name, source=source), ""
+    except ValueError as err:
+        if "do not grow with bytes" not in str(err):
+            raise
+    rows = [(theory.ring_sent_bytes(op, nbytes, n), seconds) for op, nbytes, n, seconds in samples
+            if op in theory.RING_OPS and n > 1]
+    per_s = [sent / seconds for sent, seconds in rows]             # each sample's own bandwidth, bytes/s
+    beta = sum(b * b for b in per_s) / sum(per_s)                  # argmin of sum (sent / (beta t) - 1)^2
+    link = planner.Link(name, 0.0, beta, f"alpha set to 0, beta fitted alone, to {len(rows)} collectives from "
+                                         f"{source}")
+    note = (f"These timings do not grow with the message size (the machine was busy: each collective took about "
+            f"as long as the scheduler let it), so no line with a positive latency and bandwidth fits them. "
+            f"The fit falls back to **alpha = 0** and the least-squares bandwidth, **beta = "
+            f"{beta / 1e9:.2f} GB/s**: read this fit as this run's noise, not as this machine's network.")
+    return link, note
 
 
 def ledger_of_one_step(rank: int, world_size: int, d_model: int = 128, n_layer: int = 4) -> tuple[dict, int]:
