@@ -4,7 +4,9 @@ answers lose exactly the points they should, each with a hint that names the mis
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -18,6 +20,19 @@ EXERCISE = "ex10_spot_the_errors"
 
 def _claim(kind: str, **params) -> ex10.Claim:
     return ex10.Claim("t", kind, params, 0.0, ex10.KINDS[kind][2], "", "")
+
+
+def _hidden_sheet() -> list[ex10.Claim]:
+    """The second sheet, as the solution's hidden test cell writes it (nowhere else: not importable)."""
+    nb = nbformat.read(SOLUTIONS / f"{EXERCISE}.ipynb", as_version=4)
+    cell = next(c for c in nb.cells
+                if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "ex10-hidden-numbers")
+    space: dict = {"ex10": ex10, "check": lambda *args: None, "correct": None}
+    exec(cell.source, space)
+    return space["SHEET_B"]
+
+
+SHEET_B = _hidden_sheet()
 
 
 def _solution_functions() -> dict:
@@ -46,12 +61,12 @@ def test_reference_gives_the_papers_numbers():
 
 
 def test_each_sheet_covers_every_kind_and_mixes_true_and_false():
-    for sheet in (ex10.SHEET_A, ex10.SHEET_B):
+    for sheet in (ex10.SHEET_A, SHEET_B):
         assert {c.kind for c in sheet} == set(ex10.KINDS)
         assert len({c.id for c in sheet}) == len(sheet)
         marks = [ex10._is_true(c) for c in sheet]
         assert 3 <= sum(marks) <= len(sheet) - 3, marks
-    assert not {c.id for c in ex10.SHEET_A} & {c.id for c in ex10.SHEET_B}
+    assert not {c.id for c in ex10.SHEET_A} & {c.id for c in SHEET_B}
     table = ex10.sheet_markdown(ex10.SHEET_A)
     assert table.count("\n") == len(ex10.SHEET_A) + 1
     assert all(c.zh in table and c.en in table for c in ex10.SHEET_A)
@@ -59,7 +74,7 @@ def test_each_sheet_covers_every_kind_and_mixes_true_and_false():
 
 def test_the_solution_passes_every_check_on_both_sheets():
     fns = _solution_functions()
-    for sheet in (ex10.SHEET_A, ex10.SHEET_B):
+    for sheet in (ex10.SHEET_A, SHEET_B):
         ex10.check_numbers(fns["correct"], sheet)
         ex10.check_marks(fns["is_true"], sheet)
         ex10.check_calls_zeroedu(fns["correct"], sheet)
@@ -79,16 +94,76 @@ def test_checks_name_the_claim_and_the_mistake():
     def typed(claim):              # the visible sheet's values, typed in
         return ex10.reference(claim)
 
+    def whole_tensor(claim):       # "an all-gather sends the whole tensor"
+        return claim.params["gb"] if claim.kind == "allgather_sent" else right(claim)
+
     with pytest.raises(AssertionError, match=r"claim A6: you gave 1\.75 GB.*one direction only"):
         ex10.check_numbers(one_way, ex10.SHEET_A)
     with pytest.raises(AssertionError, match=r"claim A3: you gave 2 x DDP.*1\.5x, not 2x"):
         ex10.check_numbers(doubles, ex10.SHEET_A)
     with pytest.raises(AssertionError, match=r"without calling any zeroedu function for claim\(s\) A1, A2, .*A10"):
         ex10.check_calls_zeroedu(typed, ex10.SHEET_A)
+    with pytest.raises(AssertionError, match=r"claim A9: you gave 4 GB.*the whole tensor"):
+        ex10.check_numbers(whole_tensor, ex10.SHEET_A)
+    with pytest.raises(AssertionError, match=r"claim B3: you gave 2 x DDP.*repeats all of DDP's 2Ψ"):
+        ex10.check_numbers(lambda c: float(c.params["accum"]) if c.kind == "comm_ratio" else right(c), SHEET_B)
     with pytest.raises(AssertionError, match=r"claim A1 is not true: it states 13 GB"):
         ex10.check_marks(lambda claim: True, ex10.SHEET_A)
     with pytest.raises(AssertionError, match=r"return True or False"):
         ex10.check_marks(lambda claim: 1, ex10.SHEET_A)
+
+
+def test_the_answer_key_and_literals_behind_a_call_fail_the_calls_check():
+    """The audit's cheat: any zeroedu call, then the grader's own reference() or a typed number."""
+    right = _solution_functions()["correct"]
+    table = {c.id: right(c) for c in ex10.SHEET_A}
+
+    def answer_key(claim):
+        theory.optimizer_K()
+        return ex10.reference(claim)
+
+    def token_call(claim):
+        theory.optimizer_K()
+        return table[claim.id]
+
+    def true_for_stage_only(claim):   # an honest formula that ignores gradient accumulation still moves
+        if claim.kind == "comm_ratio":
+            return theory.comm_volume_paper(claim.params["stage"]) / theory.comm_volume_paper(0)
+        return right(claim)
+
+    ex10.check_numbers(answer_key, ex10.SHEET_A)          # the numbers are right: the calls check must catch it
+    with pytest.raises(AssertionError, match=r"reached the grader's own code in zeroedu.grading \(reference\) for "
+                                             r"claim\(s\) A1, A2, .*A10: that is the answer key"):
+        ex10.check_calls_zeroedu(answer_key, ex10.SHEET_A)
+    ex10.check_numbers(token_call, ex10.SHEET_A)
+    with pytest.raises(AssertionError, match=r"the same number whatever the claim's parameters.*claim A1 \(with "
+                                             r"psi=.*claim A10 \(with"):
+        ex10.check_calls_zeroedu(token_call, ex10.SHEET_A)
+    ex10.check_calls_zeroedu(true_for_stage_only, ex10.SHEET_A)
+
+
+def test_variants_change_the_true_value_and_the_solution_follows_them():
+    right = _solution_functions()["correct"]
+    for claim in [*ex10.SHEET_A, *SHEET_B]:
+        probes = ex10.variants(claim)
+        assert probes and all(p.id == claim.id and p.params != claim.params for p in probes)
+        for probe in probes:
+            assert ex10.reference(probe) != pytest.approx(ex10.reference(claim), rel=1e-6)
+            assert right(probe) == pytest.approx(ex10.reference(probe), rel=1e-6), (probe.params,)
+
+
+def test_the_hidden_sheet_is_in_no_module_the_exercise_can_import():
+    """The kernel can import (and read) all of zeroedu; the second sheet must be in none of it, nor in the
+    exercise the learner gets."""
+    assert not hasattr(ex10, "SHEET_B")
+    package = Path(ex10.__file__).resolve().parents[1]
+    sources = {p: p.read_text(encoding="utf-8") for p in package.rglob("*.py")}
+    exercise = (EXERCISES / f"{EXERCISE}.ipynb").read_text(encoding="utf-8")
+    for claim in SHEET_B:
+        for text in (claim.zh, claim.en):
+            leaks = [str(p) for p, src in sources.items() if text in src]
+            assert not leaks, f"{claim.id}'s wording is readable from the kernel in {leaks}"
+            assert text not in exercise and json.dumps(text)[1:-1] not in exercise, claim.id
 
 
 # -- grading with real kernels -----------------------------------------------------------------------------------
@@ -124,6 +199,10 @@ WRONG = {
         "ex10-hidden-numbers": 'your code raised KeyError: "\'B1\'"',
         "ex10-hidden-marks": 'your code raised KeyError: "\'B1\'"',
         "ex10-hidden-calls": 'your code raised KeyError: "\'B1\'"',
+    },
+    "ex10_answer_key.cells": {
+        "ex10-test-calls": "reached the grader's own code in zeroedu.grading (reference) for claim(s) A1, A2, A3",
+        "ex10-hidden-calls": "reached the grader's own code in zeroedu.grading (reference) for claim(s) B1, B2, B3",
     },
 }
 

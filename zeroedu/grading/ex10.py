@@ -7,8 +7,16 @@ The learner writes two functions:
 
 The checks compare them with closed forms written here from the ZeRO, ZeRO-Offload and ZeRO++ papers, not with
 zeroedu.theory (the code the learner calls), so a check cannot pass because both sides share a bug. Hidden tests
-run the same functions on a second sheet (SHEET_B) whose numbers the learner has not seen. `check_calls_zeroedu`
-traces each call of `correct` and fails when no zeroedu function ran: a typed literal is not a correction.
+run the same functions on a second sheet whose numbers the learner has not seen. That sheet is not in this
+module (nor anywhere in the zeroedu package, which the learner's kernel can import and read): it is written in
+the solution's hidden test cells, which `zeroedu grade` runs in its own process and never sends to the kernel,
+and solutions/ is hidden inside the grading sandbox.
+
+`check_calls_zeroedu` is the "a call, not a literal" check. It traces each call of `correct` where the learner's
+code runs and fails when no zeroedu function ran, or when the learner's code reached zeroedu.grading (this
+module's `reference` is the grader's answer key, not a correction). Then it asks `correct` again about each claim
+with its parameters changed one at a time (`variants`: same id, same wording, a different true value) and fails a
+claim whose answer never moves: a number typed for one sheet, behind a token call, does not follow the reference.
 
     from zeroedu.grading import ex10
     ex10.check_numbers(correct, ex10.SHEET_A); ex10.check_marks(is_true, ex10.SHEET_A)
@@ -26,8 +34,8 @@ from typing import Any
 
 from zeroedu.grading.remote import in_kernel
 
-__all__ = ["KINDS", "SHEET_A", "SHEET_B", "Claim", "check_calls_zeroedu", "check_marks", "check_numbers",
-           "reference", "sheet_markdown"]
+__all__ = ["KINDS", "SHEET_A", "Claim", "check_calls_zeroedu", "check_marks", "check_numbers", "make_claim",
+           "reference", "sheet_markdown", "variants"]
 
 GB = 10**9
 
@@ -89,8 +97,14 @@ def reference(claim: Claim) -> float:
     raise ValueError(f"unknown claim kind {claim.kind!r}; known: {sorted(KINDS)}")
 
 
-def _c(id: str, kind: str, stated: float, zh: str, en: str, **params) -> Claim:
+def make_claim(id: str, kind: str, stated: float, zh: str, en: str, **params) -> Claim:
+    """A claim of `kind`, in that kind's unit (the solution's hidden cells build the second sheet with it)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown claim kind {kind!r}; known: {sorted(KINDS)}")
     return Claim(id, kind, params, stated, KINDS[kind][2], zh, en)
+
+
+_c = make_claim
 
 
 SHEET_A = [
@@ -98,49 +112,29 @@ SHEET_A = [
        "13B on 16 GPUs with ZeRO-2 keeps about 13 GB of model states per GPU (16Ψ/N).", psi=13e9, n=16, stage=2),
     _c("A2", "model_states", 1.875, "7.5B 模型在 64 张卡上用 ZeRO-3，每卡模型状态约 1.9 GB。",
        "7.5B on 64 GPUs with ZeRO-3 keeps about 1.9 GB of model states per GPU.", psi=7.5e9, n=64, stage=3),
-    _c("A3", "comm_ratio", 3.0, "ZeRO-3 每步通信量是 DDP 的 3 倍：三次集合通信对 DDP 的一次。",
+    _c("A3", "comm_ratio", 3.0, "ZeRO-3 每步通信量是 DDP 的 3 倍：三次集合通信，而 DDP 只有一次。",
        "ZeRO-3 sends 3x DDP's bytes per step: three collectives against DDP's one.", stage=3, n=16, accum=1),
     _c("A4", "comm_ratio", 1.0, "ZeRO-1 开 8 步梯度累积，每个优化器步的通信量与 DDP 相同。",
        "ZeRO-1 with 8 accumulation steps sends what DDP sends per optimizer step.", stage=1, n=8, accum=8),
     _c("A5", "comm_ratio", 1.0, "ZeRO-2 开 4 步梯度累积，每个优化器步的通信量也与 DDP 相同。",
        "ZeRO-2 with 4 accumulation steps also sends what DDP sends per optimizer step.", stage=2, n=8, accum=4),
-    _c("A6", "offload_pcie", 14.0,
-       "ZeRO-Offload（Stage 2，7B，8 卡，bf16）每卡每步经 PCIe 传约 14 GB：fp32 梯度下去、fp32 参数回来。",
-       "ZeRO-Offload (stage 2, 7B, 8 GPUs, bf16) moves about 14 GB per GPU per step over PCIe: fp32 gradients down, "
-       "fp32 parameters back.", psi=7e9, n=8),
+    _c("A6", "offload_pcie", 7.0,
+       "ZeRO-Offload（Stage 2，7B，8 卡，bf16）每卡每步经 PCIe 传约 7 GB：本卡那一片的 fp32 梯度传到 CPU、"
+       "更新后的 fp32 参数传回 GPU（各 4Ψ/N）。",
+       "ZeRO-Offload (stage 2, 7B, 8 GPUs, bf16) moves about 7 GB per GPU per step over PCIe: the GPU's shard of fp32 "
+       "gradients to the CPU and the updated fp32 parameters back to the GPU (4Ψ/N each way).", psi=7e9, n=8),
     _c("A7", "zeropp_ratio", 0.25, "ZeRO++ 三项（qwZ、hpZ、qgZ）全开，跨节点通信量约为 ZeRO-3 的 1/4。",
        "With all of ZeRO++ (qwZ, hpZ, qgZ), the bytes crossing nodes are about 1/4 of ZeRO-3's.",
        qwz=True, hpz=True, qgz=True),
     _c("A8", "hpz_memory", 0.0, "hpZ 只改通信路径，不占额外显存（70B，每节点 8 卡）。",
        "hpZ only reroutes communication and costs no extra GPU memory (70B, nodes of 8 GPUs).", psi=70e9, g=8),
-    _c("A9", "allgather_sent", 0.5, "在 8 张卡上 all-gather 一个 4 GB 的张量，每卡只发送 0.5 GB。",
-       "An all-gather of a 4 GB tensor over 8 GPUs sends only 0.5 GB per GPU.", gb=4.0, n=8),
+    _c("A9", "allgather_sent", 4.0, "在 8 张卡上 all-gather 一个 4 GB 的张量，每卡都要把整个张量发送一遍，即 4 GB。",
+       "An all-gather of a 4 GB tensor over 8 GPUs has every GPU send the whole tensor once: 4 GB each.", gb=4.0, n=8),
     _c("A10", "min_gpus", 14, "70B 模型用 ZeRO-3，只算模型状态，至少需要 14 张 80 GB 的卡。",
        "A 70B model at ZeRO-3 needs at least 14 GPUs of 80 GB for its model states alone.", psi=70e9, gpu_gb=80),
 ]
 
-SHEET_B = [
-    _c("B1", "model_states", 131.25, "30B 模型在 32 张卡上用 ZeRO-1，每卡模型状态约 131 GB。",
-       "30B on 32 GPUs with ZeRO-1 keeps about 131 GB per GPU.", psi=30e9, n=32, stage=1),
-    _c("B2", "model_states", 140.0, "70B 模型在 8 张卡上用 ZeRO-2，每卡约 140 GB。",
-       "70B on 8 GPUs with ZeRO-2 keeps about 140 GB per GPU.", psi=70e9, n=8, stage=2),
-    _c("B3", "comm_ratio", 0.5, "ZeRO-2 用 reduce-scatter，通信量是 DDP 的一半。",
-       "ZeRO-2 reduce-scatters, so it sends half of DDP's bytes.", stage=2, n=64, accum=1),
-    _c("B4", "comm_ratio", 1.5, "ZeRO-3 开 2 步梯度累积，每个优化器步通信量仍是 DDP 的 1.5 倍。",
-       "ZeRO-3 with 2 accumulation steps still sends 1.5x DDP's bytes per optimizer step.", stage=3, n=4, accum=2),
-    _c("B5", "offload_pcie", 3.25, "13B、16 卡、Stage 2 + CPU 卸载：每卡每步 PCIe 约 3.25 GB。",
-       "13B, 16 GPUs, stage 2 + CPU offload: about 3.25 GB per GPU per step over PCIe.", psi=13e9, n=16),
-    _c("B6", "zeropp_ratio", 0.5, "只开 qwZ（int8 权重），跨节点通信量减半。",
-       "qwZ alone (int8 weights) halves the bytes crossing nodes.", qwz=True, hpz=False, qgz=False),
-    _c("B7", "hpz_memory", 3.5, "7B、每节点 4 卡，hpZ 每卡多占约 3.5 GB。",
-       "7B in nodes of 4 GPUs: hpZ costs about 3.5 GB more per GPU.", psi=7e9, g=4),
-    _c("B8", "allgather_sent", 0.5, "2 张卡 all-gather 1 GB 的张量，每卡发送 0.5 GB。",
-       "An all-gather of 1 GB over 2 GPUs sends 0.5 GB per GPU.", gb=1.0, n=2),
-    _c("B9", "min_gpus", 70, "175B 模型用 ZeRO-3 至少需要 70 张 80 GB 的卡。",
-       "A 175B model at ZeRO-3 needs at least 70 GPUs of 80 GB.", psi=175e9, gpu_gb=80),
-    _c("B10", "comm_ratio", 1.0, "DDP 开 4 步梯度累积，每个优化器步只 all-reduce 一次。",
-       "DDP with 4 accumulation steps all-reduces once per optimizer step.", stage=0, n=8, accum=4),
-]
+# The second sheet (hidden tests) lives in solutions/ex10_spot_the_errors.ipynb, cell `ex10-hidden-numbers`.
 
 
 def sheet_markdown(sheet: list[Claim]) -> str:
@@ -172,6 +166,9 @@ _MISTAKES: dict[str, list[tuple[Callable[[Claim], float], str]]] = {
         (lambda c: {0: 1, 1: 1, 2: 1, 3: 1.5}[c.params["stage"]] if c.params["accum"] > 1 else math.nan,
          "that ignores gradient accumulation: stages 2 and 3 communicate at every micro-step, DDP and stage 1 once "
          "per optimizer step"),
+        (lambda c: float(c.params["accum"]) if c.params["stage"] == 2 and c.params["accum"] > 1 else math.nan,
+         "that repeats all of DDP's 2Ψ at every micro-step; stage 2 repeats only the reduce-scatter (Ψ) and "
+         "all-gathers the updated parameters once per optimizer step"),
     ],
     "offload_pcie": [
         (lambda c: 2 * c.params["psi"] / c.params["n"] / GB,
@@ -180,7 +177,9 @@ _MISTAKES: dict[str, list[tuple[Callable[[Claim], float], str]]] = {
          "that counts fp32 copies: both directions travel in the 16-bit compute dtype"),
     ],
     "allgather_sent": [(lambda c: c.params["gb"] / c.params["n"],
-                        "that is the size of one rank's piece; in a ring each GPU forwards N-1 pieces")],
+                        "that is the size of one rank's piece; in a ring each GPU forwards N-1 pieces"),
+                       (lambda c: c.params["gb"],
+                        "that is the whole tensor; a GPU never sends the piece it receives last: N-1 of N pieces")],
     "hpz_memory": [(lambda c: 0.0, "hpZ keeps a secondary copy of the parameters sharded inside the node: 2Ψ/g")],
 }
 
@@ -224,16 +223,21 @@ def check_marks(is_true: Callable[[Claim], bool], sheet: list[Claim]) -> None:
 
 _ZEROEDU = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # the zeroedu package
 _GRADING = os.path.dirname(os.path.abspath(__file__))
+_GUARD = os.path.join(_GRADING, "guard")    # the sandbox's audit hook runs on imports and opens: not the learner's
 
 
-def _calls_zeroedu(fn: Callable, *args) -> tuple[Any, bool]:
-    """Run fn(*args) and report whether any function of zeroedu (outside zeroedu.grading) ran meanwhile."""
-    seen = [False]
+def _calls_zeroedu(fn: Callable, *args) -> tuple[Any, bool, list[str]]:
+    """Run fn(*args); report whether any zeroedu function outside zeroedu.grading ran meanwhile, and the
+    zeroedu.grading functions it reached (the answer key is not a correction)."""
+    seen, graders = [False], []
 
     def profile(frame, event, arg):
         if event == "call":
             name = frame.f_code.co_filename
-            if name.startswith(_ZEROEDU) and not name.startswith(_GRADING):
+            if name.startswith(_GRADING + os.sep):
+                if not name.startswith(_GUARD + os.sep) and frame.f_code.co_name not in graders:
+                    graders.append(frame.f_code.co_name)
+            elif name.startswith(_ZEROEDU + os.sep):
                 seen[0] = True
     old = sys.getprofile()
     sys.setprofile(profile)
@@ -241,13 +245,72 @@ def _calls_zeroedu(fn: Callable, *args) -> tuple[Any, bool]:
         out = fn(*args)
     finally:
         sys.setprofile(old)
-    return out, seen[0]
+    return out, seen[0], graders
+
+
+# Values a claim's parameters take in `variants`: sizes and counts people quote.
+_PSI = (1.3e9, 2.7e9, 6.7e9, 7e9, 13e9, 20e9, 34e9, 65e9, 70e9, 175e9)
+_DRAW: dict[str, dict[str, tuple]] = {
+    "model_states": {"psi": _PSI, "n": (2, 4, 8, 16, 32, 64, 128, 256), "stage": (0, 1, 2, 3)},
+    "comm_ratio": {"stage": (0, 1, 2, 3), "n": (2, 4, 8, 16, 64), "accum": (1, 2, 3, 4, 8, 16)},
+    "offload_pcie": {"psi": _PSI, "n": (1, 2, 4, 8, 16, 32)},
+    "zeropp_ratio": {"qwz": (False, True), "hpz": (False, True), "qgz": (False, True)},
+    "hpz_memory": {"psi": _PSI, "g": (2, 4, 8, 16)},
+    "allgather_sent": {"gb": (0.5, 1.0, 2.0, 3.0, 6.0, 10.0), "n": (2, 3, 4, 8, 16, 64)},
+    "min_gpus": {"psi": _PSI, "gpu_gb": (16, 24, 32, 40, 48, 80, 141)},
+}
+
+
+def variants(claim: Claim) -> list[Claim]:
+    """The same claim (id, kind, wording) with one parameter changed at a time, to every other value of `_DRAW`,
+    kept where the change moves the true value: what a computed correction follows and a typed number does not."""
+    want, out = reference(claim), []
+    for key, value in claim.params.items():
+        for other in _DRAW[claim.kind][key]:
+            if other == value:
+                continue
+            params = {**claim.params, key: other}
+            probe = Claim(claim.id, claim.kind, params, claim.stated, claim.unit, claim.zh, claim.en, claim.tolerance)
+            if not math.isclose(reference(probe), want, rel_tol=1e-6):
+                out.append(probe)
+    return out
+
+def _params(claim: Claim) -> str:
+    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in claim.params.items())
 
 
 def check_calls_zeroedu(correct: Callable[[Claim], float], sheet: list[Claim]) -> None:
-    """Raise AssertionError naming every claim whose correction ran no zeroedu function (a typed literal)."""
+    """Raise AssertionError naming every claim whose correction is not a computation with zeroedu: it ran no
+    zeroedu function (a typed literal), it reached zeroedu.grading (the answer key), or it gave the same number
+    when the claim's parameters changed its true value (a literal behind a token call)."""
     # traced where the learner's code runs: in the graded kernel (the grader only holds a stand-in for correct)
-    typed = [c.id for c in sheet if not in_kernel(_calls_zeroedu, correct, c)[1]]
-    assert not typed, (f"correct() returned a number without calling any zeroedu function for claim(s) "
-                       f"{', '.join(typed)}: compute each value with zeroedu.theory (or a short zeroedu.launch) so "
-                       "that the correction holds for any sheet, not just this one")
+    traced = {c.id: in_kernel(_calls_zeroedu, correct, c) for c in sheet}
+    typed = [i for i, (_, seen, _) in traced.items() if not seen]
+    keyed = {i: graders for i, (_, _, graders) in traced.items() if graders}
+    problems = []
+    if typed:
+        problems.append(f"correct() returned a number without calling any zeroedu function for claim(s) "
+                        f"{', '.join(typed)}: compute each value with zeroedu.theory (or a short zeroedu.launch) so "
+                        "that the correction holds for any sheet, not just this one")
+    if keyed:
+        names = sorted({g for gs in keyed.values() for g in gs})
+        problems.append(f"correct() reached the grader's own code in zeroedu.grading ({', '.join(names)}) for "
+                        f"claim(s) {', '.join(keyed)}: that is the answer key, not a correction; compute each value "
+                        "with zeroedu.theory")
+    stuck = []
+    for claim in sheet:
+        first = traced[claim.id][0]
+        probes = variants(claim)
+        if not probes or isinstance(first, bool) or not isinstance(first, int | float):
+            continue
+        answers = [correct(probe) for probe in probes]
+        if all(isinstance(a, int | float) and not isinstance(a, bool) and math.isclose(a, first, rel_tol=1e-9)
+               for a in answers):
+            probe = probes[0]
+            stuck.append(f"claim {claim.id} (with {_params(probe)} its true value is {reference(probe):g} "
+                         f"{claim.unit}, yet correct() still gives {first:g})")
+    if stuck:
+        problems.append("correct() gave the same number whatever the claim's parameters, so it does not follow "
+                        f"them as a computation does: {'; '.join(stuck)}. A number typed for this sheet, behind a "
+                        "call, is still a typed number")
+    assert not problems, "; ".join(problems)

@@ -1,0 +1,105 @@
+"""The interview capstone (notebook 15) and its exercise (ex10) as a candidate meets them: model answers at three
+lengths in 中文 and English, a 中文 answer under every follow-up, the crib sheet's mistakes in its own
+❌ 原文 → ✅ 正确说法 format with bilingual verdicts, and ex10's hidden sheet out of the learner's reach."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from zeroedu.grading import ex10
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[1]
+NB15 = ROOT / "notebooks" / "15_interview.ipynb"
+CJK = re.compile(r"[\u4e00-\u9fff]")
+
+
+def _markdown(nb) -> str:
+    return "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+
+
+def _section(text: str, heading: str) -> str:
+    """From the heading that starts with `heading` to the next heading of the same or a higher level."""
+    m = re.search(rf"^(#+)\s+{re.escape(heading)}.*$", text, re.M)
+    assert m, f"no heading '{heading}'"
+    rest = text[m.end():]
+    end = re.search(rf"^#{{1,{len(m.group(1))}}}\s", rest, re.M)
+    return rest[:end.start()] if end else rest
+
+
+LENGTHS = [("30 seconds · 30 秒版", 80, 50), ("2 minutes · 2 分钟版", 150, 120), ("5 minutes · 5 分钟版", 300, 220)]
+
+
+@pytest.mark.parametrize("heading, min_zh, min_en", LENGTHS)
+def test_model_answers_at_three_lengths_in_chinese_and_english(heading, min_zh, min_en):
+    text = _section(_markdown(nbformat.read(NB15, as_version=4)), heading)
+    assert "**中文：**" in text and "**English:**" in text, f"{heading}: a 中文 answer and an English one"
+    zh, en = text.split("**English:**") if text.index("**中文：**") < text.index("**English:**") else \
+        text.split("**中文：**")[::-1]
+    assert len(CJK.findall(zh)) >= min_zh, f"{heading}: the 中文 answer is {len(CJK.findall(zh))} characters"
+    assert len(re.findall(r"[A-Za-z]{2,}", en)) >= min_en, f"{heading}: the English answer is too short"
+    assert len(CJK.findall(en)) < 10, f"{heading}: the English answer should be English"
+
+
+def test_the_longer_answers_are_longer():
+    text = _markdown(nbformat.read(NB15, as_version=4))
+    sizes = [len(CJK.findall(_section(text, heading))) for heading, _, _ in LENGTHS]
+    assert sizes == sorted(sizes) and len(set(sizes)) == 3, sizes
+
+
+def test_every_follow_up_has_a_chinese_answer_and_real_links():
+    text = _section(_markdown(nbformat.read(NB15, as_version=4)), "3. The follow-up tree")
+    for sub in re.split(r"^### ", text, flags=re.M)[1:]:
+        asked = sub.count("**Q:**")
+        assert asked and sub.count("**中文：**") == asked, f"{sub.splitlines()[0]}: a 中文 answer per question"
+    bare = re.findall(r"(?<![\[(])\b\d\d_[a-z0-9_]+\.ipynb(?![\])])", text)
+    assert not bare, f"link notebooks as [NN_name.ipynb](NN_name.ipynb): {bare}"
+    for target in re.findall(r"\]\((\d\d_[a-z0-9_]+\.ipynb)\)", text):
+        assert (NB15.parent / target).exists(), target
+
+
+def test_common_mistakes_quote_the_article_with_bilingual_verdicts():
+    nb = nbformat.read(NB15, as_version=4)
+    start = next(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and "## 4. 常见错误" in c.source)
+    end = next(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and "## Appendix" in c.source)
+    shown = "".join(o.get("data", {}).get("text/markdown", "") for c in nb.cells[start:end] if c.cell_type == "code"
+                    for o in c.outputs)
+    rows = [line for line in shown.splitlines() if line.startswith("| ") and not line.startswith("| ❌")]
+    assert "| ❌ 原文 (the article) | 判定 verdict | ✅ 正确说法 |" in shown
+    assert len(rows) == shown.count("| 错 wrong |") >= 20, "every row graded, in both languages"
+    for quote in ("Stage 2 分片梯度，通信量约 DDP 的一半", "Stage 3 分片参数，通信量翻倍", "前向/反向无参数通信",
+                  "在 4 卡上模拟了 7B 模型各阶段的显存占用"):
+        assert quote in shown, quote
+    assert re.search(r"开/关 offload 每步都是 [\d,]+ 字节", shown), "the measured byte count, not a boolean"
+    assert not re.search(r"[：:]\s*(True|False)[）)]", shown), "print the measured number, not a boolean"
+
+
+def _hidden_sheet() -> list[ex10.Claim]:
+    nb = nbformat.read(ROOT / "solutions" / "ex10_spot_the_errors.ipynb", as_version=4)
+    cell = next(c for c in nb.cells
+                if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "ex10-hidden-numbers")
+    assert "### BEGIN HIDDEN TESTS" in cell.source
+    space: dict = {"ex10": ex10, "check": lambda *args: None, "correct": None}
+    exec(cell.source, space)
+    return space["SHEET_B"]
+
+
+def test_ex10_hidden_sheet_is_in_no_module_the_exercise_can_import():
+    """The graded kernel can import and read the whole zeroedu package (solutions/ is hidden by the sandbox and
+    not importable): no file of the package, nor the exercise, may hold the hidden sheet."""
+    sheet = _hidden_sheet()
+    assert len(sheet) >= 10 and not hasattr(ex10, "SHEET_B")
+    package = ROOT / "zeroedu"
+    texts = {p: p.read_text(encoding="utf-8", errors="ignore") for p in package.rglob("*")
+             if p.is_file() and p.suffix in (".py", ".json", ".txt", ".md", ".cfg", ".toml")}
+    exercise = (ROOT / "exercises" / "ex10_spot_the_errors.ipynb").read_text(encoding="utf-8")
+    for claim in sheet:
+        for words in (claim.zh, claim.en):
+            assert not [str(p) for p, t in texts.items() if words in t], f"{claim.id} is readable in zeroedu/"
+            assert words not in exercise and json.dumps(words)[1:-1] not in exercise, f"{claim.id} in the exercise"
