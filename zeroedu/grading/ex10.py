@@ -223,7 +223,10 @@ def check_marks(is_true: Callable[[Claim], bool], sheet: list[Claim]) -> None:
 
 _ZEROEDU = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # the zeroedu package
 _GRADING = os.path.dirname(os.path.abspath(__file__))
-_GUARD = os.path.join(_GRADING, "guard")    # the sandbox's audit hook runs on imports and opens: not the learner's
+# The grading machinery that runs next to the learner's code in the kernel (the sandbox's audit hook on imports and
+# opens, the kernel's blocks and replies): its frames are not the learner reaching for answers.
+_MACHINERY = (os.path.join(_GRADING, "guard") + os.sep, os.path.join(_GRADING, "kernel.py"),
+              os.path.join(_GRADING, "remote.py"))
 
 
 def _calls_zeroedu(fn: Callable, *args) -> tuple[Any, bool, list[str]]:
@@ -235,7 +238,7 @@ def _calls_zeroedu(fn: Callable, *args) -> tuple[Any, bool, list[str]]:
         if event == "call":
             name = frame.f_code.co_filename
             if name.startswith(_GRADING + os.sep):
-                if not name.startswith(_GUARD + os.sep) and frame.f_code.co_name not in graders:
+                if not name.startswith(_MACHINERY) and frame.f_code.co_name not in graders:
                     graders.append(frame.f_code.co_name)
             elif name.startswith(_ZEROEDU + os.sep):
                 seen[0] = True
