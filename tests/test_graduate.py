@@ -23,7 +23,9 @@ N = 2
 def runs(tmp_path_factory):
     from zeroedu.graduate import compare
 
-    cfg = {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+    # torch_adam: DeepSpeed steps torch's AdamW (weight decay 0) instead of compiling FusedAdam on a fresh machine
+    cfg = {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.0,
+                                                                        "torch_adam": True}},
            "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 4, "warmup_num_steps": 2}},
            "bf16": {"enabled": True}, "zero_optimization": {"stage": 2, "reduce_bucket_size": 30_000},
            "comms_logger": {"enabled": True}}
@@ -44,6 +46,7 @@ def test_same_script_same_numbers(runs):
         assert states["optimizer_state"] == 2 * states["master_weights"]
     for c in ("parameters", "master_weights", "optimizer_state"):
         assert ours["model_states"][c] == theirs["model_states"][c], c
+    assert ours["optimizer"] == "Adam" and theirs["optimizer"] == "AdamW"   # torch's, in both
     for r in (ours, theirs):   # the tracked peak holds at least the model states and some activations
         assert r["peak_total"] > sum(r["model_states"].values()) and r["peak"]["activations"] > 0
     for r in (ours, theirs):

@@ -2,6 +2,12 @@
 
 Notebook 14 runs `train` below on CPU ranks twice, once per library, with the same model, data and config, and
 compares what each measured. DeepSpeed runs on CPU over gloo (deepspeed.init_distributed(dist_backend="gloo")).
+
+DeepSpeed's "Adam" on CPU is FusedAdam, a C++ extension that DeepSpeed compiles on its first use and caches under
+~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR). Measured on this course's 2-core machine with a fresh cache, the
+build was still compiling after more than 5 minutes. Notebook 14 and tests/test_graduate.py therefore write
+`"torch_adam": true` in the optimizer's params (with weight_decay 0: DeepSpeed then steps torch's AdamW, the same
+update as Adam), a DeepSpeed key that zeroedu accepts with a note since it always runs torch's Adam.
 """
 
 from __future__ import annotations
