@@ -8,6 +8,14 @@ on a GPU machine. Some keys are accepted at DeepSpeed's default value only. Keys
 closest valid one, and "auto" (the Hugging Face Trainer's placeholder) says which value to write. Every
 problem of a config is reported in one ConfigError, so a learner fixes them all at once.
 
+Where a default differs from DeepSpeed's (docs/benchmarks.md, "At the defaults", has the table): a bucket or
+prefetch size left out is sized to the model (zeroedu.stages.sizing; DeepSpeed: reduce_bucket_size 5e8,
+stage3_prefetch_bucket_size 5e7, stage3_max_live_parameters 1e9; zeroedu's live limit is twice its prefetch size,
+Psi/8 at least the largest unit); overlap_comm is true at every stage (DeepSpeed: at stage 3 only);
+allgather_bucket_size left out gathers one reduce bucket at a time (DeepSpeed: parts of 5e8); a config without an
+optimizer section gets Adam at lr 1e-3, and one without batch keys a micro-batch of 1 (DeepSpeed: no optimizer,
+and an error for the batch).
+
 To add a key: put it in its section's parser (and dataclass), or in _NOTED, _DEFAULT_ONLY or _REFUSED.
 """
 
