@@ -25,8 +25,8 @@ from zeroedu.fmt import approx
 from zeroedu.memory import CATEGORIES
 
 __all__ = ["CATEGORY_COLORS", "OP_COLORS", "PHASE_COLORS", "alpha_beta_plot", "approx", "backward_segments",
-           "fmt_bytes", "grouped_bars", "ledger_bars", "memory_bars", "offload_timelines", "ring_grid", "scaling_plot",
-           "table", "timeline",
+           "fmt_bytes", "grouped_bars", "ledger_bars", "loss_curves", "memory_bars", "offload_timelines", "ring_grid",
+           "scaling_plot", "table", "timeline",
            "timeline_data"]
 
 # One colour per memory category, in stacking order: model states first (the paper's three, plus fp32 master
@@ -398,6 +398,54 @@ def scaling_plot(measured: Mapping[str, Mapping[int, float]], theory: Mapping[st
     ax.set_title(title)
     _legend(ax)
     _apply_axes_style(ax)
+    fig.tight_layout()
+    return fig
+
+
+def loss_curves(curves: Mapping[str, Sequence[float] | tuple[Sequence[float], Sequence[float]]],
+                reference: str | None = None, relative: bool = False, mark: float | None = None,
+                title: str = "", figsize: tuple[float, float] | None = None) -> Figure:
+    """Loss per optimizer step, one line per run: {label: losses} (steps 0, 1, ...) or {label: (steps, losses)}.
+
+    `reference` names the run the others are compared with: drawn as a wide grey band under them, so that a run
+    on top of it is visibly the same. `relative` adds a second panel, 100 (loss - reference) / reference per
+    step, for differences too small to see on the first. `mark` draws a dotted vertical line at that step (e.g.
+    where a run was saved and resumed)."""
+    if not curves:
+        raise ValueError("loss_curves: nothing to draw (curves is empty)")
+    if reference is not None and reference not in curves:
+        raise ValueError(f"loss_curves: reference {reference!r} is not one of the curves {sorted(curves)}")
+    if relative and reference is None:
+        raise ValueError("loss_curves: relative=True needs a reference curve")
+    series = {k: (list(v[0]), list(v[1])) if isinstance(v, tuple) else (list(range(len(v))), list(v))
+              for k, v in curves.items()}
+    fig, axes = plt.subplots(1, 2 if relative else 1, figsize=figsize or ((8.5, 3.4) if relative else FIGSIZE),
+                             dpi=DPI, squeeze=False)
+    ax = axes[0][0]
+    styles = ["o-", "s-", "d-", "^-", "v-", "x-", ":"]
+    others = [k for k in series if k != reference]
+    if reference is not None:
+        ax.plot(*series[reference], color="0.6", lw=5, alpha=0.5, label=reference)
+    for i, k in enumerate(others):
+        ax.plot(*series[k], styles[i % len(styles)], ms=3, lw=1, label=k)
+    if mark is not None:
+        ax.axvline(mark, color=THEORY_COLOR, ls=":", lw=1)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (global batch)")
+    ax.set_title(title)
+    ax.legend(fontsize=LEGEND_SIZE, frameon=False)
+    _apply_axes_style(ax)
+    if relative:
+        ax2, ref = axes[0][1], dict(zip(*series[reference], strict=True))
+        ax2.axhline(0, color="0.6", lw=5, alpha=0.5)
+        for i, k in enumerate(others):
+            xs, ys = series[k]
+            ax2.plot(xs, [100 * (y - ref[x]) / ref[x] for x, y in zip(xs, ys, strict=True)],
+                     styles[i % len(styles)], ms=3, lw=1, label=k)
+        ax2.set_xlabel("optimizer step")
+        ax2.set_ylabel(f"(loss - {reference}) / {reference}, %")
+        ax2.set_title("the difference, magnified")
+        _apply_axes_style(ax2)
     fig.tight_layout()
     return fig
 
