@@ -1,5 +1,6 @@
-"""zeroedu.viz.loss_curves (notebooks 09 and 10) draws the losses it is given, the reference run as a band, and
-the relative difference in percent on a second panel."""
+"""zeroedu.viz's plots for notebooks 09 and 10: loss_curves draws the losses it is given, the reference run as a
+band, and the relative difference in percent on a second panel; block_errors one bar per block under its bound;
+grouped_bars' theory markers."""
 
 from __future__ import annotations
 
@@ -47,3 +48,22 @@ def test_bad_arguments_say_what_is_wrong():
         viz.loss_curves({"a": [1.0]}, reference="b")
     with pytest.raises(ValueError, match="needs a reference"):
         viz.loss_curves({"a": [1.0]}, relative=True)
+
+
+def test_block_errors_draws_one_bar_per_block_under_its_bound():
+    fig = viz.block_errors([1e-4, 2e-3, 5e-5], [2e-4, 4e-3, 1e-4], xlabel="block of 256 elements")
+    (ax,) = fig.axes
+    assert [p.get_height() for p in ax.patches] == pytest.approx([1e-4, 2e-3, 5e-5])
+    assert ax.get_yscale() == "log"
+    assert list(_lines(ax)["bound"][1]) == pytest.approx([2e-4, 4e-3, 1e-4])
+    with pytest.raises(ValueError, match="one of each per block"):
+        viz.block_errors([1.0], [1.0, 2.0])
+
+
+def test_grouped_bars_draws_a_theory_marker_on_each_bar_that_has_one():
+    fig = viz.grouped_bars({"stage 3": {"out": 4.0, "in": 2.0}, "hpZ": {"out": 3.0, "in": 2.5}},
+                           theory={"stage 3": {"out": 4.0}, "hpZ": {"out": 2.9, "in": 2.5}})
+    (ax,) = fig.axes
+    markers = [line for line in ax.get_lines() if line.get_gid() == "theory"]
+    assert sorted(line.get_ydata()[0] for line in markers) == pytest.approx([2.5, 2.9, 4.0])
+    assert [line.get_label() for line in markers].count("theory") == 1     # named once in the legend

@@ -25,9 +25,8 @@ from zeroedu.fmt import approx
 from zeroedu.memory import CATEGORIES
 
 __all__ = ["CATEGORY_COLORS", "OP_COLORS", "PHASE_COLORS", "alpha_beta_plot", "approx", "backward_segments",
-           "fmt_bytes", "grouped_bars", "ledger_bars", "loss_curves", "memory_bars", "offload_timelines", "ring_grid",
-           "scaling_plot", "table", "timeline",
-           "timeline_data"]
+           "block_errors", "fmt_bytes", "grouped_bars", "ledger_bars", "loss_curves", "memory_bars",
+           "offload_timelines", "ring_grid", "scaling_plot", "table", "timeline", "timeline_data"]
 
 # One colour per memory category, in stacking order: model states first (the paper's three, plus fp32 master
 # weights, which the paper counts inside K), then the "residual" memory that no model-state formula shows.
@@ -230,10 +229,12 @@ def ledger_bars(per_bar: Mapping[str, Mapping[str, float]], theory: Mapping[str,
 
 
 def grouped_bars(groups: Mapping[str, Mapping[str, float]], title: str = "", ylabel: str = "",
-                 ax=None, reference: float | None = None) -> Figure:
+                 ax=None, reference: float | None = None,
+                 theory: Mapping[str, Mapping[str, float]] | None = None, theory_label: str = "theory") -> Figure:
     """Side-by-side bars: one group per key of `groups` (e.g. "stage 1"), one bar per series inside it (e.g.
     "claimed", "measured"), each labelled with its value. `reference` draws a dashed line at that height
-    (e.g. 1.0 for ratios to a baseline)."""
+    (e.g. 1.0 for ratios to a baseline). `theory` ({group: {series: value}}) draws the black theory marker on
+    each bar that has a value."""
     if not groups:
         raise ValueError("grouped_bars: nothing to draw (groups is empty)")
     labels = list(groups)
@@ -247,9 +248,35 @@ def grouped_bars(groups: Mapping[str, Mapping[str, float]], title: str = "", yla
         bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, label=name,
                       color=colors[i % len(colors)], edgecolor="white", linewidth=0.5, gid=f"series:{name}")
         ax.bar_label(bars, labels=[f"{v:g}" for v in vals], fontsize=TICK_SIZE, padding=2)
+        for j, g in enumerate(labels):
+            if theory and theory.get(g, {}).get(name) is not None:
+                _theory_marker(ax, x[j] + (i - (len(series) - 1) / 2) * width, theory[g][name], width * 1.15,
+                               theory_label if not any(ln.get_label() == theory_label for ln in ax.get_lines())
+                               else None)
     if reference is not None:
         ax.axhline(reference, color=THEORY_COLOR, lw=1, ls="--", zorder=0)
     return _finish_axes(fig, ax, x, labels, ylabel, title)
+
+
+def block_errors(errors: Sequence[float], bounds: Sequence[float], xlabel: str = "block", title: str = "",
+                 measured_label: str = "largest |error| in the block (measured)",
+                 bound_label: str = "bound") -> Figure:
+    """One bar per block: the largest error measured in it, on a log axis, under a step line at the block's
+    bound (e.g. qwZ's max|x| / 2L), so that a block over its bound, or one far above the others, stands out."""
+    if len(errors) == 0 or len(errors) != len(bounds):
+        raise ValueError(f"block_errors: {len(errors)} errors and {len(bounds)} bounds: give one of each per block")
+    fig, ax = _new_axes(None, figsize=(7.5, 3))
+    xs = np.arange(len(errors))
+    ax.bar(xs, np.asarray(errors, dtype=float), color=OP_COLORS["all_gather"], label=measured_label)
+    ax.step(xs, np.asarray(bounds, dtype=float), where="mid", color=THEORY_COLOR, label=bound_label)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("absolute error")
+    ax.set_title(title)
+    ax.legend(loc="upper right", fontsize=LEGEND_SIZE, frameon=False)
+    _apply_axes_style(ax)
+    fig.tight_layout()
+    return fig
 
 
 def timeline_data(engine, since: float | None = None, step: int | None = None) -> dict:
