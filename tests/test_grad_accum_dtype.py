@@ -12,6 +12,7 @@ import torch
 from zero_r_workers import accum_run
 
 import zeroedu
+from zeroedu import theory
 from zeroedu.models import TinyGPT, gpt_batch, gpt_loss, shard_batch
 
 from reference import LR, param_rel
@@ -50,23 +51,35 @@ def fp32_accumulation_reference(world: int = 2, accum: int = 2, steps: int = 2, 
     return {names[p]: q for p, q in zip(params, master, strict=True)}
 
 
+# fp32 accumulation must not train further from the fp32 reference than bf16 accumulation does. Where it only
+# helps a little (stages 2-3, below) the two distances differ by about 0.02%, which is rounding, not a property:
+# compare them with this stated tolerance instead of a bare <=.
+NO_WORSE = 1.05
+
+
 def test_fp32_accumulation_bytes_and_values():
-    runs = [(s, d) for s in (0, 2, 3) for d in ("fp32", None)]
+    runs = [(s, d) for s in (0, 1, 2, 3) for d in ("fp32", None)]
     res = {key: zeroedu.launch(accum_run, world_size=2, args=key)[0] for key in runs}
     ref = fp32_accumulation_reference()
-    for stage in (0, 2, 3):
+    for stage in (0, 1, 2, 3):
         fp32, bf16 = res[(stage, "fp32")], res[(stage, None)]
         full, shard = fp32["full"], fp32["shard"]
         grads = fp32["resident"]["gradients"]
-        assert grads == (4 * full if stage == 0 else 4 * shard)                # fp32 where bf16 keeps 2 bytes
-        assert bf16["resident"]["gradients"] == (2 * full if stage == 0 else 2 * shard)
-        if stage == 0:   # bytes per parameter, padding aside: 2 + 4 + 4 + 8 = 18 (16 with bf16 accumulation)
-            states = sum(fp32["resident"][k] for k in ("parameters", "gradients", "master_weights",
-                                                        "optimizer_state"))
+        assert grads == (4 * full if stage <= 1 else 4 * shard)                # fp32 where bf16 keeps 2 bytes
+        assert bf16["resident"]["gradients"] == (2 * full if stage <= 1 else 2 * shard)
+        # bytes per parameter (padding aside), as zeroedu.theory counts them: 2 + 4 + 4 + 8 = 18 at stage 0 (16
+        # with bf16 accumulation), 2 + 4 + 12 / 2 = 12 at stage 1 on 2 ranks, and so on
+        states = sum(fp32["resident"][k] for k in ("parameters", "gradients", "master_weights", "optimizer_state"))
+        per_param = theory.model_state_bytes_per_param("bf16", grad_accum_dtype="fp32", world_size=2, stage=stage)
+        assert states == per_param["total"] * full, (stage, states, per_param)
+        if stage == 0:
             assert states == 18 * full
-        # Adam turns rounding into weight differences. Stage 0 reduces the fp32 sums: it tracks the fp32
-        # reference (measured here 1.2e-4) much closer than bf16 accumulation (5.1e-4). Stages 2-3 reduce-scatter
-        # every micro-step in bf16 (the reference sums ranks in fp32), so there fp32 accumulation only helps a
-        # little (4.6137e-4 against 4.6146e-4 here).
+        # Adam turns rounding into weight differences. Stages 0 and 1 reduce the fp32 sums once a step: they track
+        # the fp32 reference (measured here 1.2e-4 at stage 0) much closer than bf16 accumulation (5.1e-4).
+        # Stages 2-3 reduce-scatter every micro-step in bf16 (the reference sums ranks in fp32), so there fp32
+        # accumulation only helps a little (4.6137e-4 against 4.6146e-4 here): no worse, within NO_WORSE.
         near, far = param_rel(fp32["params"], ref), param_rel(bf16["params"], ref)
-        assert (near < 3e-4 and near < far / 2) if stage == 0 else near <= far, (stage, near, far)
+        if stage <= 1:
+            assert near < 3e-4 and near < far / 2, (stage, near, far)
+        else:
+            assert near <= far * NO_WORSE, (stage, near, far)

@@ -10,6 +10,7 @@ of (seed, step), so every stage and every world size sees the same global batch.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -69,6 +70,21 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
+def _whole(module: nn.Module):
+    """Built inside zeroedu.zero.Init, a module's parameters are already partitioned (empty tensors) when its
+    constructor returns, so an initialisation loop run afterwards would write into nothing and leave the
+    default init in place. Gather the module's own parameters, change them on rank 0 and write its values back
+    into every rank's pieces (GatheredParameters with modifier_rank=0, as DeepSpeed models do); every rank runs
+    the same init, so the random state stays the same on all. One module at a time: never the whole model.
+    Built normally, nothing is partitioned and this is a no-op."""
+    params = list(module.parameters(recurse=False))
+    if not any(getattr(p, "zero_partition", None) is not None for p in params):
+        return contextlib.nullcontext()
+    from zeroedu.zero import GatheredParameters
+
+    return GatheredParameters(params, modifier_rank=0)
+
+
 class TinyGPT(nn.Module):
     def __init__(self, cfg: TinyGPTConfig | None = None, seed: int = 0) -> None:
         super().__init__()
@@ -83,9 +99,10 @@ class TinyGPT(nn.Module):
         self.head.weight = self.wte.weight  # tied: one Parameter, two modules
         for m in self.modules():
             if isinstance(m, nn.Linear | nn.Embedding):
-                nn.init.normal_(m.weight, std=0.02)
-            if isinstance(m, nn.Linear) and m.bias is not None:
-                nn.init.zeros_(m.bias)
+                with _whole(m):
+                    nn.init.normal_(m.weight, std=0.02)
+                    if isinstance(m, nn.Linear) and m.bias is not None:
+                        nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx) + self.wpe[: idx.shape[1]]

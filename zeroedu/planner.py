@@ -243,6 +243,7 @@ class Plan:
     assumptions: str
     recompute: str = "auto"
     flash_attention: bool = False
+    trainable: int | None = None        # parameters with gradients and optimizer state (None: all of them)
 
     @property
     def nodes(self) -> int:
@@ -302,12 +303,17 @@ def plan(model: str | int | float = "7B", gpus: int = 8, gpus_per_node: int = 8,
          seq_len: int = 2048, grad_accum: int = 1, optimizer: str = "adam", headroom: float = 0.10,
          layers: int | None = None, hidden: int | None = None, heads: int | None = None, vocab: int | None = None,
          flash_attention: bool = False, bucket_numel: int = 50_000_000, prefetch_numel: int = 50_000_000,
-         max_live_numel: int = 1_000_000_000, host_memory_gb: float | None = None, recompute: str = "auto") -> Plan:
+         max_live_numel: int = 1_000_000_000, host_memory_gb: float | None = None, recompute: str = "auto",
+         trainable: int | float | None = None) -> Plan:
     """Every configuration's bytes per GPU, fit and communication time, and the recommended one.
 
     Activations count in every "fits": seq_len, micro_batch, flash_attention and `recompute` set them.
     recompute="none" or "full" fixes the activation policy (a row fits only with it); "auto" tries each
-    configuration without recomputation first, then with full recomputation (the recommendation says which)."""
+    configuration without recomputation first, then with full recomputation (the recommendation says which).
+    `trainable`: how many parameters train (a count, or a fraction of the model if at most 1), the rest frozen,
+    as with LoRA/PEFT adapters: every parameter is held in the compute dtype (sharded at stage 3 only), but
+    gradients, master weights and optimizer state exist only for the trainable ones, and so does the gradient
+    traffic (stage 3 still gathers every parameter in forward and backward). ZeRO++ rows count the whole model."""
     if recompute not in {"auto", "none", "full"}:
         raise ValueError(f"recompute must be 'auto', 'none' or 'full', got {recompute!r}")
     spec = parse_model(model, layers, hidden, heads, vocab)
@@ -326,6 +332,12 @@ def plan(model: str | int | float = "7B", gpus: int = 8, gpus_per_node: int = 8,
     ring_beta = intra_l.beta_bytes_per_s if nodes == 1 else min(intra_l.beta_bytes_per_s, inter_l.beta_bytes_per_s)
     usable = int((1 - headroom) * gpu_memory_gb * GB)
     psi, p = spec.psi, theory.param_bytes(precision)
+    if trainable is None:
+        train = psi
+    else:
+        train = int(round(trainable * psi)) if trainable <= 1 else int(trainable)
+        if not 0 < train <= psi:
+            raise ValueError(f"trainable must be a count in 1..{psi} or a fraction in (0, 1], got {trainable}")
 
     h, v = spec.hidden, spec.vocab
     largest_unit = min(psi, max(4 * h * h, (v or 0) * h)) if spec.has_architecture else min(psi, bucket_numel)
@@ -334,8 +346,18 @@ def plan(model: str | int | float = "7B", gpus: int = 8, gpus_per_node: int = 8,
     act = activation_bytes(spec, seq_len, micro_batch, precision, False, flash_attention)
     act_rc = activation_bytes(spec, seq_len, micro_batch, precision, True, flash_attention)
 
+    def comm_sent(stage: int) -> dict:
+        """Bytes sent per step: the trainable parameters' gradients (and their updated values at stages 1-2);
+        at stage 3 every parameter's gathers and the trainable ones' reduce-scatter."""
+        sent = theory.comm_bytes_per_step(psi if stage == 3 else train, n, stage, precision, grad_accum)
+        if stage == 3 and train != psi:
+            sent["backward/reduce_scatter"] = theory.comm_bytes_per_step(train, n, 3, precision, grad_accum)[
+                "backward/reduce_scatter"]
+            sent["total"] = sum(v for k, v in sent.items() if k != "total")
+        return sent
+
     def ring_seconds(stage: int) -> float:
-        sent = theory.comm_bytes_per_step(psi, n, stage, precision, grad_accum)
+        sent = comm_sent(stage)
         count = {"backward/all_reduce": n_buckets, "step/all_gather": n_buckets,
                  "backward/reduce_scatter": n_buckets * (grad_accum if stage == 2 else 1)}
         if stage == 3:
@@ -365,6 +387,12 @@ def plan(model: str | int | float = "7B", gpus: int = 8, gpus_per_node: int = 8,
     rows = []
     for label, stage, oo, op, zpp in CONFIGS:
         tiers = theory.offload_bytes(psi, n, stage, precision, oo, op, optimizer=optimizer)
+        if train != psi:    # frozen parameters: their bytes only; the rest of the model states for `train`
+            part = theory.offload_bytes(train, n, stage, precision, oo, op, optimizer=optimizer)
+            for tier in ("device", "host", "nvme"):
+                tiers[tier] = {"parameters": tiers[tier]["parameters"],
+                               **{k: part[tier][k] for k in theory.MODEL_STATES if k != "parameters"}}
+                tiers[tier]["total"] = sum(tiers[tier][k] for k in theory.MODEL_STATES)
         dev = {k: tiers["device"][k] for k in theory.MODEL_STATES}
         reduce_bucket = min(psi, bucket_numel)
         dev["buckets"] = 2 * p * {2: reduce_bucket, 3: max(largest_unit, reduce_bucket)}.get(stage, 0)
@@ -380,7 +408,7 @@ def plan(model: str | int | float = "7B", gpus: int = 8, gpus_per_node: int = 8,
             note = (f"hpZ secondary copy {z['hpz_secondary_bytes'] / GB:.2f} GB counted under parameters"
                     if nodes > 1 else "one node: qwZ and qgZ only (hpZ has no cross-node gather to remove)")
         else:
-            comm = int(theory.comm_bytes_per_step(psi, n, stage, precision, grad_accum)["total"])
+            comm = int(comm_sent(stage)["total"])
             cross = comm / g if nodes > 1 else 0.0
             seconds = ring_seconds(stage)
         model_states = sum(dev[k] for k in theory.MODEL_STATES)
@@ -396,8 +424,8 @@ def plan(model: str | int | float = "7B", gpus: int = 8, gpus_per_node: int = 8,
         if host_memory_gb is not None:
             row.fits_host = row.host["total"] * g <= (1 - headroom) * host_memory_gb * GB
         if oo != "none":
-            moved = theory.offload_transfer_bytes_per_step(psi, n, stage, precision, oo, op, grad_accum,
-                                                           optimizer=optimizer)
+            moved = theory.offload_transfer_bytes_per_step(psi if op != "none" else train, n, stage, precision, oo,
+                                                           op, grad_accum, optimizer=optimizer)
             row.offload_bytes = moved["host_device"]
             row.offload_seconds = (moved["host_device"] / host_l.beta_bytes_per_s
                                    + moved["nvme"] / nvme_l.beta_bytes_per_s)
@@ -407,7 +435,8 @@ def plan(model: str | int | float = "7B", gpus: int = 8, gpus_per_node: int = 8,
     assumptions = "\n".join(f"- {a}" for a in _assumptions(spec, headroom, bucket_numel, prefetch_numel,
                                                            flash_attention))
     return Plan(spec, n, int(gpus_per_node), gpu_memory_gb, usable, precision, micro_batch, seq_len, grad_accum,
-                intra_l, inter_l, host_l, nvme_l, rows, best, reason, assumptions, recompute, flash_attention)
+                intra_l, inter_l, host_l, nvme_l, rows, best, reason, assumptions, recompute, flash_attention,
+                None if train == psi else train)
 
 
 def _gb(x: float) -> str:
@@ -477,7 +506,8 @@ def format_plan(p: Plan) -> str:
     lines = [
         f"zeroedu plan: {m.name} ({m.psi:.3g} parameters{arch}){f' [{m.source}]' if m.source else ''}",
         f"{p.gpus} GPUs ({nodes}), {p.gpu_memory_gb:g} GB each; {p.precision}, micro-batch {p.micro_batch} x "
-        f"{p.seq_len} tokens, gradient accumulation {p.grad_accum}",
+        f"{p.seq_len} tokens, gradient accumulation {p.grad_accum}"
+        + (f"; {p.trainable:.3g} trainable parameters, the rest frozen" if p.trainable else ""),
         "GB per GPU (1 GB = 1e9 bytes); model = params + grads + optim (master weights and optimizer state);",
         "bufs = buckets + gathered parameters; act/-rc = activations without/with full recomputation;",
         "host = model states offloaded to host and NVMe; comm = GB each GPU sends per step;",

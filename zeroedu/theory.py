@@ -615,3 +615,54 @@ __all__ = [
     "zeropp_volume_paper",
 ]
 
+
+
+# -- bytes per parameter in practice (notebook 12) ---------------------------------------------------------------
+ADAM8BIT_BLOCK = 2048   # Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization": one fp32 absmax
+#                         scale per block of 2048 values of each moment
+
+
+def model_state_bytes_per_param(precision: str = "bf16", optimizer: str = "adam", grad_accum_dtype: str | None = None,
+                                optimizer_bits: int = 32, master_weights: bool = True,
+                                keep_low_precision_grads: bool = False, world_size: int = 1, stage: int = 0,
+                                momentum: float = 0.0) -> dict[str, int | float]:
+    """Model-state bytes per parameter on one rank, by category and "total" (padding aside: multiply by the padded
+    element count to compare with a measurement).
+
+    - parameters: the compute dtype's bytes (sharded at stage 3);
+    - gradients: the accumulation buffer, `grad_accum_dtype` ("fp32" with bf16/fp16 compute: 4 bytes, DeepSpeed's
+      data_types.grad_accum_dtype; None: the compute dtype), sharded from stage 2. `keep_low_precision_grads`
+      adds the compute-dtype gradient autograd makes, kept whole next to an fp32 accumulator (an engine that
+      moves gradients into it after backward instead of one parameter at a time: 16 -> 18 -> 20 bytes);
+    - master_weights: the fp32 copy of 16-bit parameters (`master_weights=False`: none, "pure bf16");
+    - optimizer_state: Adam's two moments at `optimizer_bits` each: 32 (8 bytes), 16 (4 bytes, pure bf16), or
+      8 (2 bytes plus a 4-byte scale per ADAM8BIT_BLOCK values of each moment, 8-bit Adam); SGD: its momentum
+      buffer if momentum > 0. Master weights and optimizer state are sharded from stage 1.
+    """
+    _check_stage(stage)
+    _check_world(world_size)
+    if grad_accum_dtype not in (None, *PRECISIONS):
+        raise ValueError(f"grad_accum_dtype must be None or one of {sorted(PRECISIONS)}, got {grad_accum_dtype!r}.")
+    p = param_bytes(precision)
+    acc = param_bytes(grad_accum_dtype) if grad_accum_dtype else p
+    low = p if keep_low_precision_grads and acc != p else 0
+    if optimizer.lower() in {"adam", "adamw"}:
+        if optimizer_bits not in (32, 16, 8):
+            raise ValueError(f"optimizer_bits must be 32, 16 or 8 for Adam, got {optimizer_bits}.")
+        state = Fraction(2 * optimizer_bits, 8)
+        if optimizer_bits == 8:
+            state += Fraction(2 * 4, ADAM8BIT_BLOCK)
+    else:
+        state = Fraction(optimizer_state_bytes(optimizer, momentum))
+    n = Fraction(1, world_size)
+    out = {
+        "parameters": p * (n if stage >= 3 else 1),
+        "gradients": acc * (n if stage >= 2 else 1) + low,
+        "master_weights": (master_bytes(precision) if master_weights else 0) * (n if stage >= 1 else 1),
+        "optimizer_state": state * (n if stage >= 1 else 1),
+    }
+    total = sum(out.values(), Fraction(0))
+    return {**{k: _num(Fraction(v)) for k, v in out.items()}, "total": _num(total)}
+
+
+__all__ += ["ADAM8BIT_BLOCK", "model_state_bytes_per_param"]
