@@ -158,7 +158,8 @@ def test_course_map_lists_every_notebook():
 # ---- course part B: 05_stage2, 06_stage3, 07_scaling, 08_offload, 09_zeropp, 10_checkpoints -----------------------
 # Issue 13's lesson structure, checked on the notebooks that have it; the lead merges the three parts' lists.
 LESSONS_B = [ROOT / "notebooks" / f"{n}.ipynb" for n in
-           ("05_stage2", "06_stage3", "07_scaling", "08_offload", "09_zeropp", "10_checkpoints")]
+           ("05_stage2", "06_stage3", "07_scaling", "08_offload", "09_zeropp", "10_checkpoints",
+            "11_activations_zero_r", "12_big_models_real_world")]
 NEXT_LINK = re.compile(r"\*\*Next:\*\*\s*\[[^\]]*\]\((\d\d_[a-z0-9_]+\.ipynb)\)")
 
 
@@ -204,9 +205,10 @@ def test_lesson_b_code_cells_are_short(path):
 
 # -- Course 2.0 (issues 13 and 14): the lesson's shape -----------------------------------------------------------
 # Notebooks converted to the new shape so far; each course engineer adds theirs and the lead merges the sets.
-STRUCTURED = {"13_choosing", "14_graduating_deepspeed", "15_interview"}
+STRUCTURED = {"11_activations_zero_r", "12_big_models_real_world", "13_choosing", "14_graduating_deepspeed",
+              "15_interview"}
 # Notebooks other engineers are writing now, which a "Next:" link may already name.
-PLANNED = {"11_activations_zero_r", "12_big_models_real_world", "14_graduating_deepspeed", "90_appendix_gpu"}
+PLANNED = {"14_graduating_deepspeed", "90_appendix_gpu"}
 CHINESE_TERMS = ("零冗余优化器", "梯度", "优化器状态", "参数分片", "通信量", "卸载", "混合精度", "激活值", "检查点")
 NEXT_LINE = re.compile(r"^Next:\s*(\d\d_[a-z0-9_]+)\.ipynb", re.M)
 
