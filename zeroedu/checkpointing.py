@@ -166,7 +166,10 @@ def _slot(dtype: torch.dtype, device: torch.device, k: int) -> torch.Tensor:
                            f"({buf.shape[1]}, sized by the first checkpoint): contiguous_memory_optimization needs "
                            f"checkpoints of one size, such as a transformer's layer inputs.")
     _STATE.slot += 1
-    return buf[_STATE.slot - 1, :k]
+    # A tensor of its own over the slot's bytes, not the view buf[i]: views share their base's version counter,
+    # so filling the next slot would mark this one modified and backward would refuse what autograd saved.
+    slot = torch.empty(0, dtype=dtype, device=device)
+    return slot.set_(buf.untyped_storage(), (_STATE.slot - 1) * buf.shape[1], (k,))
 
 
 def _keep(t: torch.Tensor) -> torch.Tensor:
