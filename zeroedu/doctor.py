@@ -33,6 +33,8 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
+from zeroedu.sysinfo import available_memory, usable_cores
+
 __all__ = ["Result", "check_cores", "check_disk", "check_gloo", "check_gpus", "check_jupyterlab", "check_loopback",
            "check_memory", "check_nbval", "check_packages", "check_python", "check_ranks", "check_torch",
            "check_widgets", "main", "run_checks", "torch_install_fix", "verdict"]
@@ -249,15 +251,8 @@ def check_gpus(devices: Sequence[tuple[str, int]] | None = None, nccl: bool | No
                   "GPU checks: scripts/gpu_check.sh", data=data)
 
 
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # what this process may use (containers, taskset), not the host's
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def check_cores(cores: int | None = None) -> Result:
-    cores = _usable_cores() if cores is None else cores
+    cores = usable_cores() if cores is None else cores
     data = {"cores": cores, "world_size": WORLD_SIZE}
     if cores >= WORLD_SIZE:
         return Result("cores", OK, f"{cores} usable: one per rank for {WORLD_SIZE} ranks", data=data)
@@ -266,21 +261,6 @@ def check_cores(cores: int | None = None) -> Result:
                       data=data)
     return Result("cores", WARN, f"{cores} usable: {WORLD_SIZE} ranks take turns on one core, demos run slowly",
                   "give the machine (VM, container: --cpus) at least 2 cores", data)
-
-
-def available_memory() -> int | None:
-    """Bytes of memory free for new processes: Linux's MemAvailable, else (macOS) the physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:  # macOS and others: total physical memory is the best cheap figure
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def check_memory(available_bytes: int | None = None, world_size: int = WORLD_SIZE) -> Result:

@@ -53,6 +53,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from zeroedu.sysinfo import available_memory
+
 __all__ = ["CollectiveMismatchError", "LaunchError", "LaunchTimeoutError", "RankError", "RankHangError",
            "in_launched_rank", "init_distributed", "launch", "report_status"]
 
@@ -635,8 +637,6 @@ def _choose_backend(backend: str, local_ranks: int) -> str:
 
 
 def _check_memory(world_size: int) -> None:
-    from zeroedu.doctor import available_memory  # the doctor's own figure; that module needs no torch
-
     available = available_memory()
     need = world_size * MEMORY_PER_RANK_GB * 2**30
     if available is not None and need > available:
