@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from zeroedu.vocab import MODEL_STATES
+
 
 def _workload(d_model: int, layers: int):
     from zeroedu.models import TinyGPTConfig
@@ -113,7 +115,6 @@ def _peer_owned(model, opt):
 PAIRS = [(0, "ddp", "DDP"), (1, "zero_redundancy", "ZeroRedundancyOptimizer"),
          (2, "fsdp2_keep", "FSDP2 reshard_after_forward=False"),
          (3, "fsdp2_reshard", "FSDP2 reshard_after_forward=True")]
-MODEL_STATES = ("parameters", "gradients", "master_weights", "optimizer_state")
 
 
 DDP_BUCKET_MB = 25

@@ -38,7 +38,7 @@ from zeroedu.comm import Comm, Ledger
 from zeroedu.config import ActivationCheckpointingConfig, load_config
 from zeroedu.memory import saved_by
 
-KIND = "activations"   # the ledger kind of every byte checkpointing moves
+KIND = "activations"   # the ledger kind (zeroedu.vocab.LEDGER_KINDS) of every byte checkpointing moves
 
 
 @dataclass

@@ -19,13 +19,21 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from fractions import Fraction
 
+from zeroedu.vocab import (
+    MODEL_STATES,
+    PRECISION_BYTES,
+    ZEROPP_BLOCK_SIZE,
+    ZEROPP_GRAD_BITS,
+    ZEROPP_SCALE_BYTES,
+    ZEROPP_WEIGHT_BITS,
+)
+
 GB = 10**9          # the ZeRO paper's gigabyte (Table 1): 10^9 bytes, not 2^30
 STAGES = (0, 1, 2, 3)
-PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
+PRECISIONS = PRECISION_BYTES
 PARAM_BYTES = PRECISIONS   # the name the first version of this module used
 RING_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 TIERS = ("none", "cpu", "nvme")
-MODEL_STATES = ("parameters", "gradients", "master_weights", "optimizer_state")
 
 
 def _num(x: Fraction | int) -> int | float:
@@ -409,17 +417,8 @@ def offload_nvme_buffer_bytes(layout: Sequence[int], world_size: int, precision:
 
 
 # -- ZeRO++ (Wang et al. 2023) ------------------------------------------------------------------------------
-# The quantizer's defaults, here once: zeroedu.zeropp takes its knobs from these, so the engine and the closed
-# form agree unless a caller changes one of them (then pass the same value to zeropp_comm_bytes).
-ZEROPP_WEIGHT_BITS = 8
-"""qwZ: int8 weights, as in the paper and DeepSpeed."""
-ZEROPP_GRAD_BITS = 4
-"""qgZ: int4 gradients, as in the paper and DeepSpeed (8 is the other choice zeroedu offers)."""
-ZEROPP_BLOCK_SIZE = 2048
-"""Elements that share one scale, for weights and gradients. DeepSpeed's qwZ kernel picks a group size of up
-to 8000 elements per tensor; 2048 keeps zeroedu's small models at several blocks per unit."""
-ZEROPP_SCALE_BYTES = 4
-"""One fp32 scale per block (symmetric quantization: no zero point)."""
+# The quantizer's defaults (ZEROPP_* above) live in zeroedu.vocab, shared with zeroedu.zeropp: a caller that
+# changes one there passes the same value to zeropp_comm_bytes.
 
 
 def quantized_bytes(numel: int, bits: int, block_size: int, scale_bytes: int = ZEROPP_SCALE_BYTES) -> int:

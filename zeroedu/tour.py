@@ -13,6 +13,8 @@ import statistics
 import time
 from pathlib import Path
 
+from zeroedu.vocab import MODEL_STATES
+
 DEFAULT = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
@@ -22,7 +24,6 @@ DEFAULT = {
                           "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 20_000,
                           "stage3_max_live_parameters": 40_000},
 }
-MODEL_STATES = ("parameters", "gradients", "master_weights", "optimizer_state")
 
 
 def _train(rank: int, world: int, stage: int, steps: int) -> dict:
