@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from zeroedu.fmt import fmt_bytes
 from zeroedu.vocab import MODEL_STATES
 
 
@@ -273,8 +274,11 @@ def run(world_size: int = 2, d_model: int = 256, layers: int = 4, rounds: int = 
     return rows
 
 
+def _mib(n: float, digits: int = 2) -> str:   # a table cell: the column header names the unit
+    return fmt_bytes(n, "MiB", digits, label="", grouping=False)
+
+
 def format_rows(rows: list[dict], world_size: int, d_model: int | None = None, layers: int | None = None) -> str:
-    mib = 1 << 20
     config = ("defaults: nothing but the stage in zero_optimization" if rows[0].get("defaults") else
               "tuned: buckets sized like the peer's")
     lines = [f"{rows[0].get('workload') or f'TinyGPT d_model={d_model} layers={layers}'}, fp32, fused Adam, "
@@ -289,10 +293,10 @@ def format_rows(rows: list[dict], world_size: int, d_model: int | None = None, l
         sizes = f"{reduce:,}" + (f", {prefetch:,}" if r["stage"] == 3 else "")
         lines.append(f"| {r['stage']} | {r['peer']} | {r['zeroedu_ms']:.1f} | {r['peer_ms']:.1f} | "
                      f"{r['ratio']:.2f}x ({r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}) | "
-                     f"{r['zeroedu_resident'] / mib:.1f} / {r['zeroedu_peak'] / mib:.1f} | "
-                     f"{r['peer_resident'] / mib:.1f} / {r['peer_peak'] / mib:.1f} | "
-                     f"{r['zeroedu_states'] / mib:.2f} {at} {r['theory_states'] / mib:.2f} | "
-                     f"{r['sent_per_step'] / mib:.2f} | {sizes} |")
+                     f"{_mib(r['zeroedu_resident'], 1)} / {_mib(r['zeroedu_peak'], 1)} | "
+                     f"{_mib(r['peer_resident'], 1)} / {_mib(r['peer_peak'], 1)} | "
+                     f"{_mib(r['zeroedu_states'])} {at} {_mib(r['theory_states'])} | "
+                     f"{_mib(r['sent_per_step'])} | {sizes} |")
     for r in rows:
         if "vs_stage2" in r:
             g, q1, q3 = r["vs_stage2"]
@@ -618,7 +622,6 @@ def _offload_rows(world_size: int = 2, d_model: int = 256, layers: int = 4, roun
 
 
 def _format_offload_rows(rows: list[dict], world_size: int, d_model: int, layers: int) -> str:
-    mib = 1 << 20
     lines = [f"Offload: TinyGPT d_model={d_model} layers={layers}, fp32 Adam, {world_size} ranks, "
              f"{rows[0]['backend']}, {rows[0]['rounds']} rounds. Model states per rank by tier (on a machine "
              "without a GPU the device is the CPU: device and host are the same memory, kept apart as accounting)",
@@ -629,11 +632,11 @@ def _format_offload_rows(rows: list[dict], world_size: int, d_model: int, layers
         med, q1, q3 = r["vs_peer"]
         m = r["moved"]
         pcie, disk = m.get("d2h", 0) + m.get("h2d", 0), m.get("nvme2h", 0) + m.get("h2nvme", 0)
-        moved = f"{pcie / mib:.2f}, {disk / mib:.2f}"
+        moved = f"{_mib(pcie)}, {_mib(disk)}"
         base = "" if r["vs_no_offload"] is None else f"{r['vs_no_offload']:.2f}x"
         lines.append(f"| {r['config']} | {r['ms']:.1f} | {med:.2f}x ({q1:.2f}-{q3:.2f}) | "
-                     f"{r['vs_peer_default_adam']:.2f}x | {base} | {r['device'] / mib:.2f} | {r['host'] / mib:.2f} | "
-                     f"{r['nvme'] / mib:.2f} | {r['peak'] / mib:.1f} | {moved if m else ''} |")
+                     f"{r['vs_peer_default_adam']:.2f}x | {base} | {_mib(r['device'])} | {_mib(r['host'])} | "
+                     f"{_mib(r['nvme'])} | {_mib(r['peak'], 1)} | {moved if m else ''} |")
     cols = ("forward", "backward", "step", "host Adam", "d2h + h2d", "NVMe I/O")
     lines += ["", "Where zeroedu's step time goes (rank 0, mean ms per timed step; host Adam runs inside the step "
               "phase, the gradient copies (d2h) on the comm thread during backward, NVMe I/O on its own thread)",

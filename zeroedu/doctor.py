@@ -33,6 +33,7 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
+from zeroedu.fmt import fmt_bytes
 from zeroedu.sysinfo import available_memory, usable_cores
 
 __all__ = ["Result", "check_cores", "check_disk", "check_gloo", "check_gpus", "check_jupyterlab", "check_loopback",
@@ -67,8 +68,12 @@ class Result:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-def _gb(n: float) -> str:
-    return f"{n / 2**30:.1f} GB"
+def _gb(n: float) -> str:   # binary gigabytes, as free -h and the OS report memory
+    return fmt_bytes(n, "GiB", 1, label="GB", grouping=False)
+
+
+def _mb(n: float) -> str:
+    return fmt_bytes(n, "MiB", 0, label="MB", grouping=False)
 
 
 # -- the pins: pyproject.toml in a source checkout, else the installed package's metadata -----------------------
@@ -299,7 +304,7 @@ def check_disk(path: str | None = None, free_bytes: int | None = None, probe_mb:
             return Result("nvme disk", FAIL, f"{path}: {e}", fix_path, data)
     data["free_bytes"] = free_bytes
     if free_bytes < DISK_MIN_MB * 2**20:
-        return Result("nvme disk", FAIL, f"{free_bytes / 2**20:.0f} MB free at {path}; offload and checkpoint "
+        return Result("nvme disk", FAIL, f"{_mb(free_bytes)} free at {path}; offload and checkpoint "
                       f"notebooks need {DISK_MIN_MB} MB", f"free disk space there, or {fix_path}", data)
     if probe_mb:
         try:
@@ -309,7 +314,7 @@ def check_disk(path: str | None = None, free_bytes: int | None = None, probe_mb:
         data["write_mb_per_s"] = round(probe_mb / seconds, 1)
     speed = f", writes {data['write_mb_per_s']:.0f} MB/s (fsync)" if "write_mb_per_s" in data else ""
     if free_bytes < DISK_COMFORT_MB * 2**20:
-        return Result("nvme disk", WARN, f"{free_bytes / 2**20:.0f} MB free at {path}{speed}: enough for the demos",
+        return Result("nvme disk", WARN, f"{_mb(free_bytes)} free at {path}{speed}: enough for the demos",
                       f"free up to {DISK_COMFORT_MB} MB for room to experiment", data)
     return Result("nvme disk", OK, f"{_gb(free_bytes)} free at {path}{speed}", data=data)
 
@@ -437,7 +442,7 @@ def check_ranks(world_size: int = WORLD_SIZE, probe: Callable[[int, int], Any] =
     rss = max(res["rss_bytes"] for res in results)
     data.update(backend=results[0]["backend"], all_reduce_median_ms=round(median_ms, 2), rank_rss_bytes=rss)
     detail = (f"{world_size} {results[0]['backend']} ranks started and all_reduced in {wall:.1f} s; sum = "
-              f"{expected:g} on every rank; all_reduce(4 KB) median {median_ms:.1f} ms; rank RSS {rss / 2**20:.0f} MB")
+              f"{expected:g} on every rank; all_reduce(4 KB) median {median_ms:.1f} ms; rank RSS {_mb(rss)}")
     if wall > RANK_START_SLOW_S:
         return Result("ranks", WARN, detail + f" (slow: > {RANK_START_SLOW_S:.0f} s)",
                       "the machine is busy or short of cores: close other programs", data)

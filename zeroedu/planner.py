@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from zeroedu import theory
+from zeroedu.fmt import fmt_bytes
 
 GB = theory.GB
 
@@ -411,7 +412,7 @@ def plan(model: str | int | float = "7B", gpus: int = 8, gpus_per_node: int = 8,
 
 
 def _gb(x: float) -> str:
-    return f"{x / GB:.1f} GB"
+    return fmt_bytes(x, "GB", 1, grouping=False)
 
 
 def _recommend(rows: list[Row], usable: int, gpu_memory_gb: float, headroom: float, spec: ModelSpec,

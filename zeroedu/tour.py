@@ -13,6 +13,7 @@ import statistics
 import time
 from pathlib import Path
 
+from zeroedu.fmt import fmt_bytes
 from zeroedu.vocab import MODEL_STATES
 
 DEFAULT = {
@@ -87,7 +88,7 @@ def run(world_size: int = 4, steps: int = 5, out: str | Path = "zeroedu_out/tour
 
 
 def _kib(n: float) -> str:
-    return f"{n / 1024:9.1f}"
+    return fmt_bytes(n, "KiB", 1, label="", grouping=False, width=9)
 
 
 def report(rows: list[dict], world_size: int) -> str:
