@@ -31,7 +31,6 @@ from zeroedu.vocab import (
 GB = 10**9          # the ZeRO paper's gigabyte (Table 1): 10^9 bytes, not 2^30
 STAGES = (0, 1, 2, 3)
 PRECISIONS = PRECISION_BYTES
-PARAM_BYTES = PRECISIONS   # the name the first version of this module used
 RING_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 TIERS = ("none", "cpu", "nvme")
 
@@ -603,7 +602,7 @@ def tinygpt_layer_bytes(s: int, b: int, h: int, a: int, precision: str = "fp32",
 
 __all__ = [
     "GB", "MODEL_STATES", "activation_bytes", "korthikanti_layer_bytes", "tinygpt_layer_bytes",
-    "tinygpt_layer_terms", "PARAM_BYTES", "PRECISIONS", "RING_OPS", "STAGES", "TIERS",
+    "tinygpt_layer_terms", "PRECISIONS", "RING_OPS", "STAGES", "TIERS",
     "ZEROPP_BLOCK_SIZE", "ZEROPP_GRAD_BITS", "ZEROPP_SCALE_BYTES", "ZEROPP_WEIGHT_BITS",
     "collective_time", "comm_bytes_per_step", "comm_volume_paper", "fit_alpha_beta", "layout_numel",
     "master_bytes", "model_state_bytes", "model_state_bytes_paper", "model_state_bytes_paper_parts", "offload_bytes",
