@@ -34,13 +34,8 @@ from zeroedu.ledger import Ledger, LedgerEntry, _rebuild_ledger  # noqa: F401 (o
 
 __all__ = ["ALL_GATHER_SINGLE", "AUTO_ON_GLOO", "REDUCE_SCATTER_SINGLE", "Comm", "Handle", "Ledger", "LedgerEntry"]
 
-# "auto" on gloo, per op, from what `zeroedu bench --collectives` measured here (docs/benchmarks.md; 16 KiB to
-# 64 MiB, 2 and 4 ranks). Reduce-scatter and all-gather run "direct": at 4 ranks it took 0.38-0.59x of gloo's
-# reduce-scatter time (gloo's is an all-reduce plus a slice: twice the bytes) and 0.40-0.91x of its
-# all-gather time, never slower than the ring. At 2 ranks (one exchange, whatever the algorithm) gloo's own is
-# faster below about 1 MiB, where every collective is a fixed latency, and slower above; the direct exchange
-# keeps its sent bytes counted from the sends, which the ledger and the course need. gloo's own all-reduce
-# is as fast as anything here at 1 MiB and above, so all-reduce stays native.
+# "auto" on gloo, per op: the fastest of the implementations that count their sent bytes (gloo's reduce-scatter is
+# an all-reduce plus a slice); the measurements: docs/benchmarks.md, "Measurements behind the code".
 AUTO_ON_GLOO = {"all_reduce": "native", "reduce_scatter": "direct", "all_gather": "direct"}
 
 

@@ -7,8 +7,8 @@ runs, slower or with a piece missing that only instructors need.
 
 What the course needs, and why (the numbers the checks compare against):
 - 4 gloo ranks, the largest world size the notebooks use. launch() counts about 0.5 GB per rank process
-  (torch + gloo + a tiny model; a bare rank measures ~0.17 GB resident here), plus ~0.75 GB for the notebook
-  kernel (torch, matplotlib) and the JupyterLab server: 2.75 GB in all; 4 GB is comfortable.
+  (torch + gloo + a tiny model; well above what a bare rank measures, docs/benchmarks.md), plus ~0.75 GB for
+  the notebook kernel (torch, matplotlib) and the JupyterLab server: 2.75 GB in all; 4 GB is comfortable.
 - 2 cores: 4 ranks on 2 cores work (the course is written on such a machine); 1 core works, slowly.
 - NVMe offload demos write a few MB of optimizer state to the nvme path; 1 GB free leaves room for checkpoints.
 """
@@ -50,7 +50,7 @@ MEMORY_COMFORT_GB = 4.0
 DISK_MIN_MB = 200                   # nvme offload demos plus a sharded checkpoint of the tiny models
 DISK_COMFORT_MB = 1024
 DISK_PROBE_MB = 16                  # written, fsynced, read back and removed to prove the path works
-RANK_START_SLOW_S = 20.0            # 4 ranks start in ~1-4 s on the 2-core machine the course is written on
+RANK_START_SLOW_S = 20.0            # several times a normal start of 4 ranks on 2 cores (docs/benchmarks.md)
 WIDGETS_EXTENSION = "@jupyter-widgets/jupyterlab-manager"
 VENV_PY = ".venv/bin/python"
 

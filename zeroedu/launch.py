@@ -806,7 +806,7 @@ def _run_exit_handlers(limit: float = 10.0) -> None:
 
 
 # What the forkserver imports once, so that no rank pays for it: torch, and torch._dynamo, which the first
-# optimizer a rank builds imports (800-odd modules: about 2.5 s a rank on an idle 2-core machine).
+# optimizer a rank builds imports (800-odd modules, seconds a rank: docs/benchmarks.md).
 FORKSERVER_PRELOAD = ["torch", "torch._dynamo"]
 
 
