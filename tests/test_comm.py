@@ -198,3 +198,24 @@ def test_a_bounded_ledger_keeps_exact_aggregates_and_a_window_of_entries():
     assert bounded.totals(kinds=("params",), field="calls")["total"] == sum(e.kind == "params" for e in full)
     assert "step 0 is older than the 5 steps this ledger keeps" in r["old_step"]
     assert full.per_step(0) == by_hand(full, 0)
+
+
+def test_ledger_note_fills_the_entry_from_the_tensor():
+    import pickle
+
+    from zeroedu.comm import Ledger, LedgerEntry
+
+    ledger = Ledger()
+    t = torch.zeros(6, dtype=torch.bfloat16)
+    e = ledger.note("d2h", "backward", "activations", 3, t, group=(0,), sent_bytes=12, impl="memcpy",
+                    seconds=0.5, start=7.0)
+    assert e == LedgerEntry(op="d2h", phase="backward", kind="activations", step=3, dtype="bfloat16", numel=6,
+                            group=(0,), group_size=1, tensor_bytes=12, sent_bytes=12, sent_measured=True,
+                            impl="memcpy", seconds=0.5, seq=-1, start=7.0)
+    skip = ledger.note("skipped_step", "step", "scalar", 4, None, group=(0, 1), sent_bytes=0, impl="-")
+    assert (skip.dtype, skip.numel, skip.tensor_bytes, skip.group_size) == ("-", 0, 0, 2)
+    assert ledger.note("all_gather", "forward", "params", 4, t, dtype=torch.float32, group=(0, 1), sent_bytes=6,
+                       impl="ring").dtype == "float32"   # a collective records its output's dtype
+    assert list(ledger) == [e, skip, ledger[-1]]
+    again = pickle.loads(pickle.dumps(ledger))
+    assert list(again) == list(ledger) and again.totals(kinds=("activations",)) == {"backward/d2h": 12, "total": 12}

@@ -12,7 +12,6 @@ import torch
 import zeroedu
 from zeroedu import theory
 from zeroedu.models import TinyGPT
-from zeroedu.precision import LossScaler
 
 from reference import param_rel, rel, single_process
 
@@ -161,10 +160,8 @@ def test_fp16_overflow_skips_on_every_rank():
     for r in results:
         assert r["skipped"] == r["skip_entries"] >= 1
         assert r["scale"] == results[0]["scale"] < 2.0 ** 40
-    s = LossScaler(scale=2.0 ** 40, hysteresis=1, _hysteresis_left=1, dynamic=True)
-    for _ in range(results[0]["skipped"]):
-        s.update(True)
-    assert s.scale == results[0]["scale"]
+    k = results[0]["skipped"]   # hysteresis 1: every overflow halves the scale, and 3 steps are too few to grow it
+    assert results[0]["scale"] == 2.0 ** (40 - k)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])

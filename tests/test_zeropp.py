@@ -281,18 +281,6 @@ def results():
 
 # -- tests on the runs --------------------------------------------------------------------------------------
 
-@pytest.mark.timeout(30)
-def test_one_default_for_engine_and_theory():
-    """The quantizer's defaults are defined once (zeroedu.theory) and are what this file documents."""
-    assert {"WEIGHT_BITS": zeropp.WEIGHT_BITS, "WEIGHT_BLOCK": zeropp.WEIGHT_BLOCK, "GRAD_BITS": zeropp.GRAD_BITS,
-            "GRAD_BLOCK": zeropp.GRAD_BLOCK} == DEFAULTS
-    assert (theory.ZEROPP_WEIGHT_BITS, theory.ZEROPP_GRAD_BITS, theory.ZEROPP_BLOCK_SIZE) == (8, 4, 2048)
-    import inspect
-
-    kw = inspect.signature(theory.zeropp_comm_bytes).parameters
-    assert (kw["weight_bits"].default, kw["grad_bits"].default, kw["block_size"].default) == (8, 4, 2048)
-
-
 @pytest.mark.timeout(700)
 def test_hpz_alone_is_exact(results):
     r = results[0]

@@ -1,6 +1,6 @@
 """zeroedu: DeepSpeed ZeRO stages 0-3, offload and ZeRO++, small enough to read, measured as it runs."""
 
-__version__ = "0.1.0"
+from zeroedu._version import __version__
 
 __all__ = ["Config", "ConfigError", "initialize", "launch", "load_config", "__version__"]
 

@@ -22,8 +22,12 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
+
+from zeroedu.fmt import fmt_bytes
+from zeroedu.vocab import MODEL_STATES
 
 
 def _workload(d_model: int, layers: int):
@@ -113,7 +117,6 @@ def _peer_owned(model, opt):
 PAIRS = [(0, "ddp", "DDP"), (1, "zero_redundancy", "ZeroRedundancyOptimizer"),
          (2, "fsdp2_keep", "FSDP2 reshard_after_forward=False"),
          (3, "fsdp2_reshard", "FSDP2 reshard_after_forward=True")]
-MODEL_STATES = ("parameters", "gradients", "master_weights", "optimizer_state")
 
 
 DDP_BUCKET_MB = 25
@@ -150,6 +153,35 @@ def _contenders(stage: int) -> list[str]:
     return ["zeroedu", "peer"] + (["zeroedu stage 2"] if stage == 3 else [])
 
 
+def _rank_device() -> torch.device:
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _take_turns(steps: dict[str, Callable], batches: list, warmup: int, rounds: int, device: torch.device,
+                at_first_timed_round: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """Every contender one step per round on the round's batch, the order rotating every round; the rounds after
+    `warmup` are timed. A barrier starts each step, and on a GPU a synchronize ends it."""
+    import torch.distributed as dist
+
+    names = list(steps)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(warmup + rounds):
+        if r == warmup and at_first_timed_round is not None:
+            at_first_timed_round()
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            steps[name](*batches[r])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def _bench_rank(rank: int, world: int, work: Workload, rounds: int, warmup: int, mb: int, zero: dict,
                 defaults: bool) -> dict:
     """On every rank: each stage and its peer, one step each in turn (order rotating), same batches."""
@@ -160,7 +192,7 @@ def _bench_rank(rank: int, world: int, work: Workload, rounds: int, warmup: int,
     from zeroedu.memory import resident
     from zeroedu.models import shard_batch
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = _rank_device()
     batches = [[t.to(device) for t in shard_batch(*work.batch(s, mb * world), rank, world)]
                for s in range(warmup + rounds + 1)]
     block = max(sum(p.numel() for p in b.parameters()) for b in work.blocks(work.model()))
@@ -185,20 +217,8 @@ def _bench_rank(rank: int, world: int, work: Workload, rounds: int, warmup: int,
             engines[name] = engine
             steps[name] = lambda x, y, e=engine: e.train_batch((x, y), work.loss)
             owned[name] = engine.owned
-        names = list(steps)
-        times: dict[str, list[float]] = {n: [] for n in names}
-        for r in range(warmup + rounds):
-            k = r % len(names)
-            for name in names[k:] + names[:k]:
-                dist.barrier()
-                t0 = time.perf_counter()
-                steps[name](*batches[r])
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if r >= warmup:
-                    times[name].append(time.perf_counter() - t0)
-        row = {"times": times}
-        for name in names:   # one more step each, under torch's MemTracker (not timed)
+        row = {"times": _take_turns(steps, batches, warmup, rounds, device)}
+        for name in steps:   # one more step each, under torch's MemTracker (not timed)
             dist.barrier()
             e = engines.get(name)
             external = [e.module, e.optimizer] if e else [models[name], opts[name]]
@@ -272,8 +292,11 @@ def run(world_size: int = 2, d_model: int = 256, layers: int = 4, rounds: int = 
     return rows
 
 
+def _mib(n: float, digits: int = 2) -> str:   # a table cell: the column header names the unit
+    return fmt_bytes(n, "MiB", digits, label="", grouping=False)
+
+
 def format_rows(rows: list[dict], world_size: int, d_model: int | None = None, layers: int | None = None) -> str:
-    mib = 1 << 20
     config = ("defaults: nothing but the stage in zero_optimization" if rows[0].get("defaults") else
               "tuned: buckets sized like the peer's")
     lines = [f"{rows[0].get('workload') or f'TinyGPT d_model={d_model} layers={layers}'}, fp32, fused Adam, "
@@ -288,10 +311,10 @@ def format_rows(rows: list[dict], world_size: int, d_model: int | None = None, l
         sizes = f"{reduce:,}" + (f", {prefetch:,}" if r["stage"] == 3 else "")
         lines.append(f"| {r['stage']} | {r['peer']} | {r['zeroedu_ms']:.1f} | {r['peer_ms']:.1f} | "
                      f"{r['ratio']:.2f}x ({r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}) | "
-                     f"{r['zeroedu_resident'] / mib:.1f} / {r['zeroedu_peak'] / mib:.1f} | "
-                     f"{r['peer_resident'] / mib:.1f} / {r['peer_peak'] / mib:.1f} | "
-                     f"{r['zeroedu_states'] / mib:.2f} {at} {r['theory_states'] / mib:.2f} | "
-                     f"{r['sent_per_step'] / mib:.2f} | {sizes} |")
+                     f"{_mib(r['zeroedu_resident'], 1)} / {_mib(r['zeroedu_peak'], 1)} | "
+                     f"{_mib(r['peer_resident'], 1)} / {_mib(r['peer_peak'], 1)} | "
+                     f"{_mib(r['zeroedu_states'])} {at} {_mib(r['theory_states'])} | "
+                     f"{_mib(r['sent_per_step'])} | {sizes} |")
     for r in rows:
         if "vs_stage2" in r:
             g, q1, q3 = r["vs_stage2"]
@@ -492,71 +515,80 @@ def _offload_contenders(nvme_path: str, pin: bool) -> dict[str, dict]:
     }
 
 
+def _offload_engines(cfg, mb: int, zero: dict, nvme_path: str, device: torch.device) -> dict:
+    """zeroedu's offload contenders: the stage benchmark's config plus each one's offload keys."""
+    import zeroedu
+    from zeroedu.models import TinyGPT
+
+    engines = {}
+    for name, extra in _offload_contenders(nvme_path, device.type == "cuda").items():
+        config = zeroedu_config(extra.pop("stage"), mb)
+        config["zero_optimization"].update({**zero, **extra})
+        engines[name], *_ = zeroedu.initialize(model=TinyGPT(cfg, seed=0), config=config)
+    return engines
+
+
+def _offload_peer_step(cfg, device: torch.device, offload: bool, adam: dict) -> tuple[Callable, Callable]:
+    """FSDP2 (one fully_shard per block), with CPUOffloadPolicy if `offload`: its step and its owned tensors."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from zeroedu.models import TinyGPT, gpt_loss
+
+    model = TinyGPT(cfg, seed=0).to(device)
+    kw = {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")} if offload else {}
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, **adam)
+
+    def p_step(x, y):
+        gpt_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return p_step, lambda: _peer_owned(model, opt)
+
+
+def _time_spent(e, marks: tuple[int, int], warmup: int, rounds: int) -> dict[str, float]:
+    """Where the time of an engine's timed steps went on this rank, mean ms per step: its phases, the host's Adam,
+    the copies and the NVMe I/O (from the ledger)."""
+    phases: dict[str, float] = {}
+    for phase, t0, t1 in e.timeline[marks[0]:]:
+        phases[phase] = phases.get(phase, 0.0) + 1e3 * (t1 - t0) / rounds
+    phases["host Adam"] = sum(1e3 * (t1 - t0) for _, t0, t1 in getattr(e, "adam_timeline", [])[marks[1]:])
+    phases["host Adam"] /= rounds
+    moves = [x for x in e.ledger.select(kind="offload") if warmup <= x.step < warmup + rounds]
+    phases["d2h + h2d"] = sum(1e3 * x.seconds for x in moves if x.op in ("d2h", "h2d")) / rounds
+    phases["NVMe I/O"] = sum(1e3 * x.seconds for x in moves if x.op in ("nvme2h", "h2nvme")) / rounds
+    return phases
+
+
 def _offload_rank(rank: int, world: int, d_model: int, layers: int, rounds: int, warmup: int, mb: int,
                   zero: dict, nvme_path: str) -> dict:
     import torch.distributed as dist
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    import zeroedu
     from zeroedu.memory import PeakTracker, resident
-    from zeroedu.models import TinyGPT, gpt_batch, gpt_loss, shard_batch
+    from zeroedu.models import gpt_batch, gpt_loss, shard_batch
 
     cfg = _workload(d_model, layers)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = _rank_device()
     batches = [[t.to(device) for t in shard_batch(*gpt_batch(s, mb * world, cfg), rank, world)]
                for s in range(warmup + rounds + 1)]
-    steps, owned, engines = {}, {}, {}
-    for name, extra in _offload_contenders(nvme_path, device.type == "cuda").items():
-        config = zeroedu_config(extra.pop("stage"), mb)   # the stage benchmark's config, plus the offload keys
-        config["zero_optimization"].update({**zero, **extra})
-        engine, *_ = zeroedu.initialize(model=TinyGPT(cfg, seed=0), config=config)
-        engines[name] = engine
-        steps[name] = lambda x, y, e=engine: e.train_batch((x, y), gpt_loss)
-        owned[name] = engine.owned
+    engines = _offload_engines(cfg, mb, zero, nvme_path, device)
+    steps = {name: (lambda x, y, e=e: e.train_batch((x, y), gpt_loss)) for name, e in engines.items()}
+    owned = {name: e.owned for name, e in engines.items()}
     for name, (offload, adam) in OFFLOAD_PEERS.items():
-        model = TinyGPT(cfg, seed=0).to(device)
-        kw = {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")} if offload else {}
-        for block in model.blocks:
-            fully_shard(block, **kw)
-        fully_shard(model, **kw)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3, **adam)
+        steps[name], owned[name] = _offload_peer_step(cfg, device, offload, adam)
 
-        def p_step(x, y, model=model, opt=opt):
-            gpt_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-
-        steps[name] = p_step
-        owned[name] = lambda model=model, opt=opt: _peer_owned(model, opt)
-
-    names = list(steps)
-    times: dict[str, list[float]] = {n: [] for n in names}
     marks: dict[str, tuple[int, int]] = {}
-    for r in range(warmup + rounds):
-        if r == warmup:   # where the timed rounds start in each engine's timelines
-            marks = {n: (len(e.timeline), len(getattr(e, "adam_timeline", []))) for n, e in engines.items()}
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            steps[name](*batches[r])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if r >= warmup:
-                times[name].append(time.perf_counter() - t0)
+
+    def mark() -> None:   # where the timed rounds start in each engine's timelines
+        marks.update({n: (len(e.timeline), len(getattr(e, "adam_timeline", []))) for n, e in engines.items()})
+
+    times = _take_turns(steps, batches, warmup, rounds, device, mark)
     out: dict = {"times": times, "device": f"{dist.get_backend()} on {device.type.upper()}"}
-    spent = {}   # where the time of zeroedu's timed steps went (this rank, mean ms per step)
-    for name, e in engines.items():
-        phases: dict[str, float] = {}
-        for phase, t0, t1 in e.timeline[marks[name][0]:]:
-            phases[phase] = phases.get(phase, 0.0) + 1e3 * (t1 - t0) / rounds
-        phases["host Adam"] = sum(1e3 * (t1 - t0) for _, t0, t1 in getattr(e, "adam_timeline", [])[marks[name][1]:])
-        phases["host Adam"] /= rounds
-        moves = [x for x in e.ledger.select(kind="offload") if warmup <= x.step < warmup + rounds]
-        phases["d2h + h2d"] = sum(1e3 * x.seconds for x in moves if x.op in ("d2h", "h2d")) / rounds
-        phases["NVMe I/O"] = sum(1e3 * x.seconds for x in moves if x.op in ("nvme2h", "h2nvme")) / rounds
-        spent[name] = phases
-    for name in names:   # one more step each under the memory tracker (not timed), then bytes by tier
+    spent = {name: _time_spent(e, marks[name], warmup, rounds) for name, e in engines.items()}
+    for name in steps:   # one more step each under the memory tracker (not timed), then bytes by tier
         dist.barrier()
         with PeakTracker(owned[name], lambda: "step") as tracker:
             steps[name](*batches[-1])
@@ -617,7 +649,6 @@ def _offload_rows(world_size: int = 2, d_model: int = 256, layers: int = 4, roun
 
 
 def _format_offload_rows(rows: list[dict], world_size: int, d_model: int, layers: int) -> str:
-    mib = 1 << 20
     lines = [f"Offload: TinyGPT d_model={d_model} layers={layers}, fp32 Adam, {world_size} ranks, "
              f"{rows[0]['backend']}, {rows[0]['rounds']} rounds. Model states per rank by tier (on a machine "
              "without a GPU the device is the CPU: device and host are the same memory, kept apart as accounting)",
@@ -628,11 +659,11 @@ def _format_offload_rows(rows: list[dict], world_size: int, d_model: int, layers
         med, q1, q3 = r["vs_peer"]
         m = r["moved"]
         pcie, disk = m.get("d2h", 0) + m.get("h2d", 0), m.get("nvme2h", 0) + m.get("h2nvme", 0)
-        moved = f"{pcie / mib:.2f}, {disk / mib:.2f}"
+        moved = f"{_mib(pcie)}, {_mib(disk)}"
         base = "" if r["vs_no_offload"] is None else f"{r['vs_no_offload']:.2f}x"
         lines.append(f"| {r['config']} | {r['ms']:.1f} | {med:.2f}x ({q1:.2f}-{q3:.2f}) | "
-                     f"{r['vs_peer_default_adam']:.2f}x | {base} | {r['device'] / mib:.2f} | {r['host'] / mib:.2f} | "
-                     f"{r['nvme'] / mib:.2f} | {r['peak'] / mib:.1f} | {moved if m else ''} |")
+                     f"{r['vs_peer_default_adam']:.2f}x | {base} | {_mib(r['device'])} | {_mib(r['host'])} | "
+                     f"{_mib(r['nvme'])} | {_mib(r['peak'], 1)} | {moved if m else ''} |")
     cols = ("forward", "backward", "step", "host Adam", "d2h + h2d", "NVMe I/O")
     lines += ["", "Where zeroedu's step time goes (rank 0, mean ms per timed step; host Adam runs inside the step "
               "phase, the gradient copies (d2h) on the comm thread during backward, NVMe I/O on its own thread)",

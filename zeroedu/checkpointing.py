@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zeroedu.comm import Comm, Ledger, LedgerEntry
+from zeroedu.comm import Comm, Ledger
 from zeroedu.config import ActivationCheckpointingConfig, load_config
 from zeroedu.memory import saved_by
 
-KIND = "activations"   # the ledger kind of every byte checkpointing moves
+KIND = "activations"   # the ledger kind (zeroedu.vocab.LEDGER_KINDS) of every byte checkpointing moves
 
 
 @dataclass
@@ -136,11 +136,8 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, op: str, phase: str) -> None:
     wall0, t0 = time.time(), time.perf_counter()
     dst.copy_(src)
     nbytes = src.numel() * src.element_size()
-    _STATE.ledger.append(LedgerEntry(
-        op=op, phase=phase, kind=KIND, step=_STATE.comm.step if _STATE.comm else 0,
-        dtype=str(src.dtype).removeprefix("torch."), numel=src.numel(), group=(0,), group_size=1,
-        tensor_bytes=nbytes, sent_bytes=nbytes, sent_measured=True, impl="memcpy",
-        seconds=time.perf_counter() - t0, seq=-1, start=wall0))
+    _STATE.ledger.note(op, phase, KIND, _STATE.comm.step if _STATE.comm else 0, src, group=(0,), sent_bytes=nbytes,
+                       impl="memcpy", seconds=time.perf_counter() - t0, start=wall0)
 
 
 def _tp() -> tuple[int, int]:

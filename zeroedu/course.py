@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from zeroedu import theory
-from zeroedu.memory import MODEL_STATES
+from zeroedu.vocab import MODEL_STATES
 
 GB = theory.GB
 

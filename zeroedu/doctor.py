@@ -7,8 +7,8 @@ runs, slower or with a piece missing that only instructors need.
 
 What the course needs, and why (the numbers the checks compare against):
 - 4 gloo ranks, the largest world size the notebooks use. launch() counts about 0.5 GB per rank process
-  (torch + gloo + a tiny model; a bare rank measures ~0.17 GB resident here), plus ~0.75 GB for the notebook
-  kernel (torch, matplotlib) and the JupyterLab server: 2.75 GB in all; 4 GB is comfortable.
+  (torch + gloo + a tiny model; well above what a bare rank measures, docs/benchmarks.md), plus ~0.75 GB for
+  the notebook kernel (torch, matplotlib) and the JupyterLab server: 2.75 GB in all; 4 GB is comfortable.
 - 2 cores: 4 ranks on 2 cores work (the course is written on such a machine); 1 core works, slowly.
 - NVMe offload demos write a few MB of optimizer state to the nvme path; 1 GB free leaves room for checkpoints.
 """
@@ -33,6 +33,9 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
+from zeroedu.fmt import fmt_bytes
+from zeroedu.sysinfo import available_memory, usable_cores
+
 __all__ = ["Result", "check_cores", "check_disk", "check_gloo", "check_gpus", "check_jupyterlab", "check_loopback",
            "check_memory", "check_nbval", "check_packages", "check_python", "check_ranks", "check_torch",
            "check_widgets", "main", "run_checks", "torch_install_fix", "verdict"]
@@ -47,7 +50,7 @@ MEMORY_COMFORT_GB = 4.0
 DISK_MIN_MB = 200                   # nvme offload demos plus a sharded checkpoint of the tiny models
 DISK_COMFORT_MB = 1024
 DISK_PROBE_MB = 16                  # written, fsynced, read back and removed to prove the path works
-RANK_START_SLOW_S = 20.0            # 4 ranks start in ~1-4 s on the 2-core machine the course is written on
+RANK_START_SLOW_S = 20.0            # several times a normal start of 4 ranks on 2 cores (docs/benchmarks.md)
 WIDGETS_EXTENSION = "@jupyter-widgets/jupyterlab-manager"
 VENV_PY = ".venv/bin/python"
 
@@ -65,8 +68,12 @@ class Result:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-def _gb(n: float) -> str:
-    return f"{n / 2**30:.1f} GB"
+def _gb(n: float) -> str:   # binary gigabytes, as free -h and the OS report memory
+    return fmt_bytes(n, "GiB", 1, label="GB", grouping=False)
+
+
+def _mb(n: float) -> str:
+    return fmt_bytes(n, "MiB", 0, label="MB", grouping=False)
 
 
 # -- the pins: pyproject.toml in a source checkout, else the installed package's metadata -----------------------
@@ -249,15 +256,8 @@ def check_gpus(devices: Sequence[tuple[str, int]] | None = None, nccl: bool | No
                   "GPU checks: scripts/gpu_check.sh", data=data)
 
 
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # what this process may use (containers, taskset), not the host's
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def check_cores(cores: int | None = None) -> Result:
-    cores = _usable_cores() if cores is None else cores
+    cores = usable_cores() if cores is None else cores
     data = {"cores": cores, "world_size": WORLD_SIZE}
     if cores >= WORLD_SIZE:
         return Result("cores", OK, f"{cores} usable: one per rank for {WORLD_SIZE} ranks", data=data)
@@ -266,21 +266,6 @@ def check_cores(cores: int | None = None) -> Result:
                       data=data)
     return Result("cores", WARN, f"{cores} usable: {WORLD_SIZE} ranks take turns on one core, demos run slowly",
                   "give the machine (VM, container: --cpus) at least 2 cores", data)
-
-
-def available_memory() -> int | None:
-    """Bytes of memory free for new processes: Linux's MemAvailable, else (macOS) the physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:  # macOS and others: total physical memory is the best cheap figure
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def check_memory(available_bytes: int | None = None, world_size: int = WORLD_SIZE) -> Result:
@@ -319,7 +304,7 @@ def check_disk(path: str | None = None, free_bytes: int | None = None, probe_mb:
             return Result("nvme disk", FAIL, f"{path}: {e}", fix_path, data)
     data["free_bytes"] = free_bytes
     if free_bytes < DISK_MIN_MB * 2**20:
-        return Result("nvme disk", FAIL, f"{free_bytes / 2**20:.0f} MB free at {path}; offload and checkpoint "
+        return Result("nvme disk", FAIL, f"{_mb(free_bytes)} free at {path}; offload and checkpoint "
                       f"notebooks need {DISK_MIN_MB} MB", f"free disk space there, or {fix_path}", data)
     if probe_mb:
         try:
@@ -329,7 +314,7 @@ def check_disk(path: str | None = None, free_bytes: int | None = None, probe_mb:
         data["write_mb_per_s"] = round(probe_mb / seconds, 1)
     speed = f", writes {data['write_mb_per_s']:.0f} MB/s (fsync)" if "write_mb_per_s" in data else ""
     if free_bytes < DISK_COMFORT_MB * 2**20:
-        return Result("nvme disk", WARN, f"{free_bytes / 2**20:.0f} MB free at {path}{speed}: enough for the demos",
+        return Result("nvme disk", WARN, f"{_mb(free_bytes)} free at {path}{speed}: enough for the demos",
                       f"free up to {DISK_COMFORT_MB} MB for room to experiment", data)
     return Result("nvme disk", OK, f"{_gb(free_bytes)} free at {path}{speed}", data=data)
 
@@ -457,7 +442,7 @@ def check_ranks(world_size: int = WORLD_SIZE, probe: Callable[[int, int], Any] =
     rss = max(res["rss_bytes"] for res in results)
     data.update(backend=results[0]["backend"], all_reduce_median_ms=round(median_ms, 2), rank_rss_bytes=rss)
     detail = (f"{world_size} {results[0]['backend']} ranks started and all_reduced in {wall:.1f} s; sum = "
-              f"{expected:g} on every rank; all_reduce(4 KB) median {median_ms:.1f} ms; rank RSS {rss / 2**20:.0f} MB")
+              f"{expected:g} on every rank; all_reduce(4 KB) median {median_ms:.1f} ms; rank RSS {_mb(rss)}")
     if wall > RANK_START_SLOW_S:
         return Result("ranks", WARN, detail + f" (slow: > {RANK_START_SLOW_S:.0f} s)",
                       "the machine is busy or short of cores: close other programs", data)

@@ -104,10 +104,3 @@ class FlatLayout:
     def shard_of(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """This rank's shard of a full flat buffer, as a new contiguous tensor."""
         return torch.cat([self.piece_of_full(full, b, rank) for b in self.buckets])
-
-    def full_from_shards(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """The full flat buffer from every rank's shard (used by checkpoint consolidation)."""
-        parts = []
-        for b in self.buckets:
-            parts += [self.piece_of_shard(s, b) for s in shards]
-        return torch.cat(parts)

@@ -47,11 +47,13 @@ import types
 from collections import ChainMap
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, NoReturn
 
 import cloudpickle
 import torch
 import torch.distributed as dist
+
+from zeroedu.sysinfo import available_memory
 
 __all__ = ["CollectiveMismatchError", "LaunchError", "LaunchTimeoutError", "RankError", "RankHangError",
            "in_launched_rank", "init_distributed", "launch", "report_status"]
@@ -635,8 +637,6 @@ def _choose_backend(backend: str, local_ranks: int) -> str:
 
 
 def _check_memory(world_size: int) -> None:
-    from zeroedu.doctor import available_memory  # the doctor's own figure; that module needs no torch
-
     available = available_memory()
     need = world_size * MEMORY_PER_RANK_GB * 2**30
     if available is not None and need > available:
@@ -710,7 +710,48 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, conn: Connec
     global _CONTEXT
     _die_with_parent()
     _exit_cleanly_on_stop_signals()
-    # Capture output at the file-descriptor level, so gloo's C++ messages land in the files too.
+    _capture_output(run_dir, rank)
+    _adopt_parent_environment(rank, world_size, port, env, sys_path, cwd)
+    release = threading.Event()
+    threading.Thread(target=_watch_parent, args=(conn, release), name="zeroedu-parent-watch", daemon=True).start()
+    _CONTEXT = _RankContext(rank, _Slots(os.path.join(run_dir, "status"), world_size, create=False))
+    _CONTEXT.set("starting")
+    _watch_torch_distributed()   # before fn arrives: fn may hold torch.distributed's functions themselves
+    try:   # inline, so fn's frame sits right below this one: a crash's stack stays short enough for the stderr tail
+        fn, args, kwargs = cloudpickle.loads(payload)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # 4 ranks on 2 cores: 1 thread each
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        _CONTEXT.set("joining")
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=start_timeout))
+        kw = {"timeout": datetime.timedelta(seconds=pg_timeout)} if pg_timeout else {}
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kw)
+        _CONTEXT.set("running")
+        result = fn(rank, world_size, *args, **kwargs)
+        try:
+            data = _dumps(result)
+        except Exception as e:
+            raise TypeError(f"the return value of fn ({type(result).__name__}) cannot be pickled to send it back "
+                            f"to the parent: {e}. Return plain data: numbers, lists, dicts, CPU tensors.") from e
+    except BaseException as e:
+        _send_error_and_exit(conn, e)
+    _CONTEXT.set("returned")
+    conn.send(("ok", time.time(), data))
+    release.wait()  # stay until every rank returned: no rank leaves a collective its peers are still finishing
+    dist.destroy_process_group()
+    _run_exit_handlers()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+_STACK_FILE = None   # a rank's faulthandler file for SIGUSR1 stack dumps: open until the rank exits
+
+
+def _capture_output(run_dir: str, rank: int) -> None:
+    """The rank's stdout and stderr into files of the run's folder, at the file-descriptor level so that gloo's
+    C++ messages land there too; a Python stack on a segfault, and on SIGUSR1 into rank<N>.stack."""
+    global _STACK_FILE
     for fd, name in ((1, "stdout"), (2, "stderr")):
         log = os.open(os.path.join(run_dir, f"rank{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(log, fd)
@@ -718,10 +759,14 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, conn: Connec
     sys.stdout = open(1, "w", buffering=1, closefd=False, errors="replace")
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="replace")
     faulthandler.enable(file=sys.stderr, all_threads=True)  # segfaults print a Python stack
-    stack_file = open(os.path.join(run_dir, f"rank{rank}.stack"), "w")  # open until exit
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    _STACK_FILE = open(os.path.join(run_dir, f"rank{rank}.stack"), "w")
+    faulthandler.register(signal.SIGUSR1, file=_STACK_FILE, all_threads=True)
 
-    # The forkserver was started earlier, with the environment of that moment: use the parent's current one.
+
+def _adopt_parent_environment(rank: int, world_size: int, port: int, env: dict[str, str], sys_path: list[str],
+                              cwd: str) -> None:
+    """The forkserver was started earlier, with the environment of that moment: take the parent's current one,
+    plus torch.distributed's variables for this rank."""
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -734,49 +779,21 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, conn: Connec
     except OSError:
         pass
 
-    release = threading.Event()
-    threading.Thread(target=_watch_parent, args=(conn, release), name="zeroedu-parent-watch", daemon=True).start()
-    _CONTEXT = _RankContext(rank, _Slots(os.path.join(run_dir, "status"), world_size, create=False))
-    _CONTEXT.set("starting")
-    _watch_torch_distributed()   # before fn arrives: fn may hold torch.distributed's functions themselves
-    try:
-        fn, args, kwargs = cloudpickle.loads(payload)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # 4 ranks on 2 cores: 1 thread each
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        _CONTEXT.set("joining")
-        store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                              timeout=datetime.timedelta(seconds=start_timeout))
-        kw = {"timeout": datetime.timedelta(seconds=pg_timeout)} if pg_timeout else {}
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kw)
-        _CONTEXT.set("running")
-        result = fn(rank, world_size, *args, **kwargs)
-        try:
-            data = _dumps(result)
-        except Exception as e:
-            raise TypeError(f"the return value of fn ({type(result).__name__}) cannot be pickled to send it back "
-                            f"to the parent: {e}. Return plain data: numbers, lists, dicts, CPU tensors.") from e
-    except BaseException as e:
-        tb = e.__traceback__
-        if tb is not None and tb.tb_frame.f_code is _rank_main.__code__ and tb.tb_next is not None:
-            tb = tb.tb_next  # the traceback starts in fn, not in this wrapper
-        tb = "".join(traceback.format_exception(type(e), e, tb))
-        _run_exit_handlers()   # before the parent stops every rank on hearing of the error
-        sys.stderr.flush()
-        try:
-            conn.send(("error", time.time(), type(e).__name__, str(e), tb))
-        except OSError:
-            pass
-        sys.stdout.flush()
-        os._exit(1)
-    _CONTEXT.set("returned")
-    conn.send(("ok", time.time(), data))
-    release.wait()  # stay until every rank returned: no rank leaves a collective its peers are still finishing
-    dist.destroy_process_group()
-    _run_exit_handlers()
-    sys.stdout.flush()
+
+def _send_error_and_exit(conn: Connection, e: BaseException) -> NoReturn:
+    """Tell the parent what fn (or joining the group) raised, with a traceback that starts in fn, and exit."""
+    tb = e.__traceback__
+    if tb is not None and tb.tb_frame.f_code is _rank_main.__code__ and tb.tb_next is not None:
+        tb = tb.tb_next  # the traceback starts in fn, not in this wrapper
+    text = "".join(traceback.format_exception(type(e), e, tb))
+    _run_exit_handlers()   # before the parent stops every rank on hearing of the error
     sys.stderr.flush()
-    os._exit(0)
+    try:
+        conn.send(("error", time.time(), type(e).__name__, str(e), text))
+    except OSError:
+        pass
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def _run_exit_handlers(limit: float = 10.0) -> None:
@@ -789,7 +806,7 @@ def _run_exit_handlers(limit: float = 10.0) -> None:
 
 
 # What the forkserver imports once, so that no rank pays for it: torch, and torch._dynamo, which the first
-# optimizer a rank builds imports (800-odd modules: about 2.5 s a rank on an idle 2-core machine).
+# optimizer a rank builds imports (800-odd modules, seconds a rank: docs/benchmarks.md).
 FORKSERVER_PRELOAD = ["torch", "torch._dynamo"]
 
 

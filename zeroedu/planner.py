@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from zeroedu import theory
+from zeroedu.fmt import fmt_bytes
 
 GB = theory.GB
 
@@ -297,6 +298,178 @@ def _assumptions(spec: ModelSpec, headroom: float, bucket_numel: int, prefetch_n
     ]
 
 
+@dataclass(frozen=True)
+class _Cluster:
+    """The GPUs a plan runs on and its links. A ring crosses the slowest link on its way: inter-node on several
+    nodes."""
+    gpus: int
+    per_node: int            # ranks per node (a job on part of one node: its ranks are the node)
+    intra: Link
+    inter: Link
+    host: Link
+    nvme: Link
+
+    @property
+    def nodes(self) -> int:
+        return self.gpus // self.per_node
+
+    @property
+    def ring_alpha(self) -> float:
+        return self.intra.alpha_s if self.nodes == 1 else max(self.intra.alpha_s, self.inter.alpha_s)
+
+    @property
+    def ring_beta(self) -> float:
+        return (self.intra.beta_bytes_per_s if self.nodes == 1
+                else min(self.intra.beta_bytes_per_s, self.inter.beta_bytes_per_s))
+
+
+@dataclass(frozen=True)
+class _Workload:
+    """What every row shares: the model's size, its precision, how it is cut into buckets and units."""
+    psi: int
+    precision: str
+    grad_accum: int
+    optimizer: str
+    bucket_numel: int
+    prefetch_numel: int
+    max_live_numel: int
+    largest_unit: int        # stage 3's biggest gathered unit (an MLP matrix or the embedding)
+    n_buckets: int
+    n_units: int
+    activations: int
+    activations_recompute: int
+    trainable: int           # parameters with gradients and optimizer state (psi unless some are frozen)
+
+
+def _check_cluster(gpus: int, gpus_per_node: int, headroom: float) -> None:
+    if gpus < 1 or gpus_per_node < 1:
+        raise ValueError(f"gpus and gpus_per_node must be >= 1, got {gpus} and {gpus_per_node}")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise ValueError(f"{gpus} GPUs are not whole nodes of {gpus_per_node}: use a multiple of gpus_per_node")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom is a fraction of GPU memory in [0, 1), got {headroom}")
+
+
+def _workload(spec: ModelSpec, precision: str, micro_batch: int, seq_len: int, grad_accum: int, optimizer: str,
+              flash_attention: bool, bucket_numel: int, prefetch_numel: int, max_live_numel: int,
+              trainable: int | float | None = None) -> _Workload:
+    psi, h, v = spec.psi, spec.hidden, spec.vocab
+    if trainable is None:
+        train = psi
+    else:
+        train = int(round(trainable * psi)) if trainable <= 1 else int(trainable)
+        if not 0 < train <= psi:
+            raise ValueError(f"trainable must be a count in 1..{psi} or a fraction in (0, 1], got {trainable}")
+    largest_unit = min(psi, max(4 * h * h, (v or 0) * h)) if spec.has_architecture else min(psi, bucket_numel)
+    n_buckets = math.ceil(psi / bucket_numel)
+    n_units = 4 * spec.layers + (1 if v else 0) if spec.has_architecture else n_buckets
+    return _Workload(psi, precision, grad_accum, optimizer, bucket_numel, prefetch_numel, max_live_numel,
+                     largest_unit, n_buckets, n_units,
+                     activation_bytes(spec, seq_len, micro_batch, precision, False, flash_attention),
+                     activation_bytes(spec, seq_len, micro_batch, precision, True, flash_attention), train)
+
+
+def _comm_sent(stage: int, w: _Workload, c: _Cluster) -> dict:
+    """Bytes sent per step: the trainable parameters' gradients (and their updated values at stages 1-2); at
+    stage 3 every parameter's gathers and the trainable ones' reduce-scatter."""
+    sent = theory.comm_bytes_per_step(w.psi if stage == 3 else w.trainable, c.gpus, stage, w.precision, w.grad_accum)
+    if stage == 3 and w.trainable != w.psi:
+        sent["backward/reduce_scatter"] = theory.comm_bytes_per_step(w.trainable, c.gpus, 3, w.precision,
+                                                                     w.grad_accum)["backward/reduce_scatter"]
+        sent["total"] = sum(v for k, v in sent.items() if k != "total")
+    return sent
+
+
+def _ring_seconds(stage: int, w: _Workload, c: _Cluster) -> float:
+    """alpha-beta time of a step's ring collectives: one latency per ring step of every call, plus bytes / beta."""
+    sent = _comm_sent(stage, w, c)
+    count = {"backward/all_reduce": w.n_buckets, "step/all_gather": w.n_buckets,
+             "backward/reduce_scatter": w.n_buckets * (w.grad_accum if stage == 2 else 1)}
+    if stage == 3:
+        count = {"forward/all_gather": w.n_units * w.grad_accum, "backward/all_gather": w.n_units * w.grad_accum,
+                 "backward/reduce_scatter": w.n_buckets * w.grad_accum}
+    t = 0.0
+    for key, nbytes in sent.items():
+        if key != "total":
+            op = key.split("/")[1]
+            t += count[key] * theory.ring_steps(op, c.gpus) * c.ring_alpha + nbytes / c.ring_beta
+    return t
+
+
+def _zeropp_seconds(z: dict, w: _Workload, c: _Cluster) -> float:
+    """alpha-beta time of ZeRO++'s collectives, each on the links its algorithm uses."""
+    t = 0.0
+    for coll in z["collectives"]:
+        intra_b, cross_b = float(coll["intra_node"]), float(coll["cross_node"])
+        if coll["algorithm"] == "ring":
+            t += w.n_units * coll["steps"] * c.ring_alpha + (intra_b + cross_b) / c.ring_beta
+        elif coll["algorithm"] == "node_ring":
+            t += w.n_units * coll["steps"] * c.intra.alpha_s + intra_b / c.intra.beta_bytes_per_s
+        else:   # two hops: inside the node, then each node's ranks send g x cross_b through its links out
+            t += w.n_units * w.grad_accum * ((c.per_node - 1) * c.intra.alpha_s + (c.nodes - 1) * c.inter.alpha_s)
+            t += intra_b / c.intra.beta_bytes_per_s + (c.per_node * cross_b / c.inter.beta_bytes_per_s
+                                                       if c.nodes > 1 else 0.0)
+    return t
+
+
+def _device_bytes(stage: int, tiers: dict, w: _Workload) -> dict[str, int]:
+    """Model states left on the device, plus stage 2's and 3's bucket buffers and stage 3's gathered parameters."""
+    p = theory.param_bytes(w.precision)
+    dev = {k: tiers["device"][k] for k in theory.MODEL_STATES}
+    reduce_bucket = min(w.psi, w.bucket_numel)
+    dev["buckets"] = 2 * p * {2: reduce_bucket, 3: max(w.largest_unit, reduce_bucket)}.get(stage, 0)
+    dev["gathered_parameters"] = (p * min(w.max_live_numel, w.largest_unit + w.prefetch_numel, w.psi)
+                                  if stage == 3 else 0)
+    return dev
+
+
+def _row(config: tuple, w: _Workload, c: _Cluster, usable: int, recompute: str, headroom: float,
+         host_memory_gb: float | None) -> Row:
+    """One configuration of CONFIGS: its bytes per GPU, whether it fits, its communication and offload time."""
+    label, stage, oo, op, zpp = config
+    tiers = theory.offload_bytes(w.psi, c.gpus, stage, w.precision, oo, op, optimizer=w.optimizer)
+    if w.trainable != w.psi:    # frozen parameters: their bytes only; the rest of the model states for the trainable
+        part = theory.offload_bytes(w.trainable, c.gpus, stage, w.precision, oo, op, optimizer=w.optimizer)
+        for tier in ("device", "host", "nvme"):
+            tiers[tier] = {"parameters": tiers[tier]["parameters"],
+                           **{k: part[tier][k] for k in theory.MODEL_STATES if k != "parameters"}}
+            tiers[tier]["total"] = sum(tiers[tier][k] for k in theory.MODEL_STATES)
+    dev = _device_bytes(stage, tiers, w)
+    note = ""
+    if zpp:
+        # hpZ keeps the backward gather inside a node: on one node there is nothing to keep it from.
+        z = theory.zeropp_comm_bytes(w.psi, c.gpus, c.per_node, qwz=True, hpz=c.nodes > 1, qgz=True,
+                                     precision=w.precision, grad_accum=w.grad_accum)
+        dev["parameters"] += z["hpz_secondary_bytes"]
+        comm, cross, seconds = int(round(float(z["total"]))), float(z["cross_node"]), _zeropp_seconds(z, w, c)
+        note = (f"hpZ secondary copy {z['hpz_secondary_bytes'] / GB:.2f} GB counted under parameters"
+                if c.nodes > 1 else "one node: qwZ and qgZ only (hpZ has no cross-node gather to remove)")
+    else:
+        comm = int(_comm_sent(stage, w, c)["total"])
+        cross = comm / c.per_node if c.nodes > 1 else 0.0
+        seconds = _ring_seconds(stage, w, c)
+    model_states = sum(dev[k] for k in theory.MODEL_STATES)
+    base = sum(dev.values())
+    act, act_rc = w.activations, w.activations_recompute
+    row = Row(label, stage, oo, op, zpp, {**dev, "activations": act}, tiers["host"], tiers["nvme"],
+              model_states, act, act_rc, base + act, base + act_rc, comm_bytes=comm, cross_node_bytes=cross,
+              comm_seconds=seconds, note=note)
+    row.fits, row.fits_recompute = row.total <= usable, row.total_recompute <= usable
+    if recompute == "none":
+        row.fits_recompute = row.fits
+    elif recompute == "full":
+        row.fits = False     # the policy is full recomputation: only tot-rc counts
+    if host_memory_gb is not None:
+        row.fits_host = row.host["total"] * c.per_node <= (1 - headroom) * host_memory_gb * GB
+    if oo != "none":
+        moved = theory.offload_transfer_bytes_per_step(w.psi if op != "none" else w.trainable, c.gpus, stage,
+                                                       w.precision, oo, op, w.grad_accum, optimizer=w.optimizer)
+        row.offload_bytes = moved["host_device"]
+        row.offload_seconds = (moved["host_device"] / c.host.beta_bytes_per_s
+                               + moved["nvme"] / c.nvme.beta_bytes_per_s)
+    return row
+
+
 def plan(model: str | int | float = "7B", gpus: int = 8, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0,
          intra: str | float | Link = INTRA_DEFAULT, inter: str | float | Link = INTER_DEFAULT,
          host_link: str | float | Link = HOST_DEFAULT, precision: str = "bf16", micro_batch: int = 1,
@@ -318,129 +491,23 @@ def plan(model: str | int | float = "7B", gpus: int = 8, gpus_per_node: int = 8,
         raise ValueError(f"recompute must be 'auto', 'none' or 'full', got {recompute!r}")
     spec = parse_model(model, layers, hidden, heads, vocab)
     n, g = int(gpus), int(gpus_per_node)
-    if n < 1 or g < 1:
-        raise ValueError(f"gpus and gpus_per_node must be >= 1, got {gpus} and {gpus_per_node}")
-    if n > g and n % g:
-        raise ValueError(f"{n} GPUs are not whole nodes of {g}: use a multiple of gpus_per_node")
-    if not 0 <= headroom < 1:
-        raise ValueError(f"headroom is a fraction of GPU memory in [0, 1), got {headroom}")
-    g = min(g, n)                       # a job on part of one node: its ranks are the node
-    nodes = n // g
-    intra_l, inter_l = link(intra, INTRA_DEFAULT), link(inter, INTER_DEFAULT)
-    host_l, nvme_l = link(host_link, HOST_DEFAULT), LINKS[NVME_DEFAULT]
-    ring_alpha = intra_l.alpha_s if nodes == 1 else max(intra_l.alpha_s, inter_l.alpha_s)
-    ring_beta = intra_l.beta_bytes_per_s if nodes == 1 else min(intra_l.beta_bytes_per_s, inter_l.beta_bytes_per_s)
+    _check_cluster(n, g, headroom)
+    cluster = _Cluster(n, min(g, n), link(intra, INTRA_DEFAULT), link(inter, INTER_DEFAULT),
+                       link(host_link, HOST_DEFAULT), LINKS[NVME_DEFAULT])
     usable = int((1 - headroom) * gpu_memory_gb * GB)
-    psi, p = spec.psi, theory.param_bytes(precision)
-    if trainable is None:
-        train = psi
-    else:
-        train = int(round(trainable * psi)) if trainable <= 1 else int(trainable)
-        if not 0 < train <= psi:
-            raise ValueError(f"trainable must be a count in 1..{psi} or a fraction in (0, 1], got {trainable}")
-
-    h, v = spec.hidden, spec.vocab
-    largest_unit = min(psi, max(4 * h * h, (v or 0) * h)) if spec.has_architecture else min(psi, bucket_numel)
-    n_buckets = math.ceil(psi / bucket_numel)
-    n_units = 4 * spec.layers + (1 if v else 0) if spec.has_architecture else n_buckets
-    act = activation_bytes(spec, seq_len, micro_batch, precision, False, flash_attention)
-    act_rc = activation_bytes(spec, seq_len, micro_batch, precision, True, flash_attention)
-
-    def comm_sent(stage: int) -> dict:
-        """Bytes sent per step: the trainable parameters' gradients (and their updated values at stages 1-2);
-        at stage 3 every parameter's gathers and the trainable ones' reduce-scatter."""
-        sent = theory.comm_bytes_per_step(psi if stage == 3 else train, n, stage, precision, grad_accum)
-        if stage == 3 and train != psi:
-            sent["backward/reduce_scatter"] = theory.comm_bytes_per_step(train, n, 3, precision, grad_accum)[
-                "backward/reduce_scatter"]
-            sent["total"] = sum(v for k, v in sent.items() if k != "total")
-        return sent
-
-    def ring_seconds(stage: int) -> float:
-        sent = comm_sent(stage)
-        count = {"backward/all_reduce": n_buckets, "step/all_gather": n_buckets,
-                 "backward/reduce_scatter": n_buckets * (grad_accum if stage == 2 else 1)}
-        if stage == 3:
-            count = {"forward/all_gather": n_units * grad_accum, "backward/all_gather": n_units * grad_accum,
-                     "backward/reduce_scatter": n_buckets * grad_accum}
-        t = 0.0
-        for key, nbytes in sent.items():
-            if key != "total":
-                op = key.split("/")[1]
-                t += count[key] * theory.ring_steps(op, n) * ring_alpha + nbytes / ring_beta
-        return t
-
-    def zeropp_seconds(z: dict) -> float:
-        t = 0.0
-        for c in z["collectives"]:
-            intra_b, cross_b = float(c["intra_node"]), float(c["cross_node"])
-            if c["algorithm"] == "ring":
-                t += n_units * c["steps"] * ring_alpha + (intra_b + cross_b) / ring_beta
-            elif c["algorithm"] == "node_ring":
-                t += n_units * c["steps"] * intra_l.alpha_s + intra_b / intra_l.beta_bytes_per_s
-            else:   # two hops: inside the node, then each node's ranks send g x cross_b through its links out
-                t += n_units * grad_accum * ((g - 1) * intra_l.alpha_s + (nodes - 1) * inter_l.alpha_s)
-                t += intra_b / intra_l.beta_bytes_per_s + (g * cross_b / inter_l.beta_bytes_per_s if nodes > 1
-                                                           else 0.0)
-        return t
-
-    rows = []
-    for label, stage, oo, op, zpp in CONFIGS:
-        tiers = theory.offload_bytes(psi, n, stage, precision, oo, op, optimizer=optimizer)
-        if train != psi:    # frozen parameters: their bytes only; the rest of the model states for `train`
-            part = theory.offload_bytes(train, n, stage, precision, oo, op, optimizer=optimizer)
-            for tier in ("device", "host", "nvme"):
-                tiers[tier] = {"parameters": tiers[tier]["parameters"],
-                               **{k: part[tier][k] for k in theory.MODEL_STATES if k != "parameters"}}
-                tiers[tier]["total"] = sum(tiers[tier][k] for k in theory.MODEL_STATES)
-        dev = {k: tiers["device"][k] for k in theory.MODEL_STATES}
-        reduce_bucket = min(psi, bucket_numel)
-        dev["buckets"] = 2 * p * {2: reduce_bucket, 3: max(largest_unit, reduce_bucket)}.get(stage, 0)
-        dev["gathered_parameters"] = p * min(max_live_numel, largest_unit + prefetch_numel, psi) if stage == 3 else 0
-        note = ""
-        cross = 0.0
-        if zpp:
-            # hpZ keeps the backward gather inside a node: on one node there is nothing to keep it from.
-            z = theory.zeropp_comm_bytes(psi, n, g, qwz=True, hpz=nodes > 1, qgz=True, precision=precision,
-                                         grad_accum=grad_accum)
-            dev["parameters"] += z["hpz_secondary_bytes"]
-            comm, cross, seconds = int(round(float(z["total"]))), float(z["cross_node"]), zeropp_seconds(z)
-            note = (f"hpZ secondary copy {z['hpz_secondary_bytes'] / GB:.2f} GB counted under parameters"
-                    if nodes > 1 else "one node: qwZ and qgZ only (hpZ has no cross-node gather to remove)")
-        else:
-            comm = int(comm_sent(stage)["total"])
-            cross = comm / g if nodes > 1 else 0.0
-            seconds = ring_seconds(stage)
-        model_states = sum(dev[k] for k in theory.MODEL_STATES)
-        base = sum(dev.values())
-        row = Row(label, stage, oo, op, zpp, {**dev, "activations": act}, tiers["host"], tiers["nvme"],
-                  model_states, act, act_rc, base + act, base + act_rc, comm_bytes=comm, cross_node_bytes=cross,
-                  comm_seconds=seconds, note=note)
-        row.fits, row.fits_recompute = row.total <= usable, row.total_recompute <= usable
-        if recompute == "none":
-            row.fits_recompute = row.fits
-        elif recompute == "full":
-            row.fits = False     # the policy is full recomputation: only tot-rc counts
-        if host_memory_gb is not None:
-            row.fits_host = row.host["total"] * g <= (1 - headroom) * host_memory_gb * GB
-        if oo != "none":
-            moved = theory.offload_transfer_bytes_per_step(psi if op != "none" else train, n, stage, precision, oo,
-                                                           op, grad_accum, optimizer=optimizer)
-            row.offload_bytes = moved["host_device"]
-            row.offload_seconds = (moved["host_device"] / host_l.beta_bytes_per_s
-                                   + moved["nvme"] / nvme_l.beta_bytes_per_s)
-        rows.append(row)
-
-    best, reason = _recommend(rows, usable, gpu_memory_gb, headroom, spec, nodes, recompute)
+    work = _workload(spec, precision, micro_batch, seq_len, grad_accum, optimizer, flash_attention, bucket_numel,
+                     prefetch_numel, max_live_numel, trainable)
+    rows = [_row(config, work, cluster, usable, recompute, headroom, host_memory_gb) for config in CONFIGS]
+    best, reason = _recommend(rows, usable, gpu_memory_gb, headroom, spec, cluster.nodes, recompute)
     assumptions = "\n".join(f"- {a}" for a in _assumptions(spec, headroom, bucket_numel, prefetch_numel,
                                                            flash_attention))
     return Plan(spec, n, int(gpus_per_node), gpu_memory_gb, usable, precision, micro_batch, seq_len, grad_accum,
-                intra_l, inter_l, host_l, nvme_l, rows, best, reason, assumptions, recompute, flash_attention,
-                None if train == psi else train)
+                cluster.intra, cluster.inter, cluster.host, cluster.nvme, rows, best, reason, assumptions, recompute,
+                flash_attention, None if work.trainable == spec.psi else work.trainable)
 
 
 def _gb(x: float) -> str:
-    return f"{x / GB:.1f} GB"
+    return fmt_bytes(x, "GB", 1, grouping=False)
 
 
 def _recommend(rows: list[Row], usable: int, gpu_memory_gb: float, headroom: float, spec: ModelSpec,

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from zeroedu.vocab import DTYPE_NAMES
+
+DTYPES = {precision: getattr(torch, name) for precision, name in DTYPE_NAMES.items()}
 
 
 def compute_dtype(precision: str) -> torch.dtype:

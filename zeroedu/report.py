@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from zeroedu.fmt import fmt_bytes
 from zeroedu.memory import CATEGORIES
 
 
@@ -43,7 +44,8 @@ def after_step(engine) -> None:
             if e.op == "skipped_step" or not (cl.prof_all or e.op in cl.prof_ops):
                 continue
             engine.log(f"comm op: {e.op} | phase: {e.phase} | kind: {e.kind} | time (ms): {e.seconds * 1e3:.3f} | "
-                       f"msg size: {e.tensor_bytes:,} B | sent: {e.sent_bytes:,} B | impl: {e.impl}")
+                       f"msg size: {fmt_bytes(e.tensor_bytes, 'B')} | sent: {fmt_bytes(e.sent_bytes, 'B')} | "
+                       f"impl: {e.impl}")
 
 
 def comms_summary(ledger) -> str:

@@ -19,13 +19,20 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from fractions import Fraction
 
+from zeroedu.vocab import (
+    MODEL_STATES,
+    PRECISION_BYTES,
+    ZEROPP_BLOCK_SIZE,
+    ZEROPP_GRAD_BITS,
+    ZEROPP_SCALE_BYTES,
+    ZEROPP_WEIGHT_BITS,
+)
+
 GB = 10**9          # the ZeRO paper's gigabyte (Table 1): 10^9 bytes, not 2^30
 STAGES = (0, 1, 2, 3)
-PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
-PARAM_BYTES = PRECISIONS   # the name the first version of this module used
+PRECISIONS = PRECISION_BYTES
 RING_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 TIERS = ("none", "cpu", "nvme")
-MODEL_STATES = ("parameters", "gradients", "master_weights", "optimizer_state")
 
 
 def _num(x: Fraction | int) -> int | float:
@@ -410,17 +417,8 @@ def offload_nvme_buffer_bytes(layout: Sequence[int], world_size: int, precision:
 
 
 # -- ZeRO++ (Wang et al. 2023) ------------------------------------------------------------------------------
-# The quantizer's defaults, here once: zeroedu.zeropp takes its knobs from these, so the engine and the closed
-# form agree unless a caller changes one of them (then pass the same value to zeropp_comm_bytes).
-ZEROPP_WEIGHT_BITS = 8
-"""qwZ: int8 weights, as in the paper and DeepSpeed."""
-ZEROPP_GRAD_BITS = 4
-"""qgZ: int4 gradients, as in the paper and DeepSpeed (8 is the other choice zeroedu offers)."""
-ZEROPP_BLOCK_SIZE = 2048
-"""Elements that share one scale, for weights and gradients. DeepSpeed's qwZ kernel picks a group size of up
-to 8000 elements per tensor; 2048 keeps zeroedu's small models at several blocks per unit."""
-ZEROPP_SCALE_BYTES = 4
-"""One fp32 scale per block (symmetric quantization: no zero point)."""
+# The quantizer's defaults (ZEROPP_* above) live in zeroedu.vocab, shared with zeroedu.zeropp: a caller that
+# changes one there passes the same value to zeropp_comm_bytes.
 
 
 def quantized_bytes(numel: int, bits: int, block_size: int, scale_bytes: int = ZEROPP_SCALE_BYTES) -> int:
@@ -464,18 +462,9 @@ def zeropp_comm_bytes(psi: int, world_size: int, node_size: int, qwz: bool = Fal
     "cross_node_per_node" = g x cross_node, the bytes one node's ranks send to other nodes per step.
     Counts are averages over ranks and may be fractional when the flat ring splits unevenly.
     """
-    _check_world(world_size)
     n, g = world_size, node_size
-    if g < 1 or n % g:
-        raise ValueError(f"world_size ({n}) must be a whole number of nodes of node_size ({g}) ranks.")
-    if grad_accum < 1:
-        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}.")
-    for name, bits in (("weight_bits", weight_bits), ("grad_bits", grad_bits)):
-        if bits not in (4, 8):
-            raise ValueError(f"{name} must be 4 or 8, got {bits!r}.")
     grad_block = block_size if grad_block_size is None else grad_block_size
-    if block_size < 1 or grad_block < 1:
-        raise ValueError(f"block sizes must be >= 1, got block_size={block_size}, grad_block_size={grad_block}.")
+    _check_zeropp(n, g, grad_accum, weight_bits, grad_bits, block_size, grad_block)
     nodes = n // g
     p = param_bytes(precision)
     every = _layout(psi, layout)
@@ -484,33 +473,23 @@ def zeropp_comm_bytes(psi: int, world_size: int, node_size: int, qwz: bool = Fal
     all_units = [padded_numel(k, n) for k in every]          # reduced
     cross_share = Fraction(nodes, n) if nodes > 1 else Fraction(0)
 
-    def flat_ring(name: str, piece_bytes: int, times: int = grad_accum) -> dict:
-        sent = Fraction((n - 1) * piece_bytes) * times
-        return {"name": name, "group_size": n, "steps": (n - 1) * times, "algorithm": "ring",
-                "intra_node": sent * (1 - cross_share), "cross_node": sent * cross_share}
-
     def weights(name: str) -> dict:
         if qwz:
-            return flat_ring(name, sum(quantized_bytes(u // n, weight_bits, block_size, scale_bytes) for u in units))
-        return flat_ring(name, sum(p * (u // n) for u in units))
+            piece = sum(quantized_bytes(u // n, weight_bits, block_size, scale_bytes) for u in units)
+        else:
+            piece = sum(p * (u // n) for u in units)
+        return _flat_ring(name, n, piece, grad_accum, cross_share)
 
-    found = [weights("forward/all_gather")]
-    if hpz:
-        sent = Fraction(sum((g - 1) * p * (u // g) for u in units) * grad_accum)
-        found.append({"name": "backward/all_gather", "group_size": g, "steps": (g - 1) * grad_accum,
-                      "algorithm": "node_ring", "intra_node": sent, "cross_node": Fraction(0)})
-    else:
-        found.append(weights("backward/all_gather"))
+    found = [weights("forward/all_gather"),
+             _node_ring_gather(units, g, p, grad_accum) if hpz else weights("backward/all_gather")]
     if qgz:
-        intra = sum((g - 1) * quantized_bytes(u // g, grad_bits, grad_block, scale_bytes) for u in all_units)
-        cross = sum((nodes - 1) * quantized_bytes(u // n, grad_bits, grad_block, scale_bytes) for u in all_units)
-        found.append({"name": "backward/all_to_all", "group_size": n, "steps": (g - 1 + nodes - 1) * grad_accum,
-                      "algorithm": "two_hop_all_to_all", "intra_node": Fraction(intra * grad_accum),
-                      "cross_node": Fraction(cross * grad_accum)})
+        found.append(_two_hop_all_to_all(all_units, n, g, grad_bits, grad_block, scale_bytes, grad_accum))
     else:
-        found.append(flat_ring("backward/reduce_scatter", sum(p * (u // n) for u in all_units)))
+        found.append(_flat_ring("backward/reduce_scatter", n, sum(p * (u // n) for u in all_units), grad_accum,
+                                cross_share))
     if kept:
-        found.append(flat_ring("step/all_gather", sum(p * (padded_numel(k, n) // n) for k in kept), times=1))
+        found.append(_flat_ring("step/all_gather", n, sum(p * (padded_numel(k, n) // n) for k in kept), 1,
+                                cross_share))
     intra = sum((c["intra_node"] for c in found), Fraction(0))
     cross = sum((c["cross_node"] for c in found), Fraction(0))
     for c in found:
@@ -518,6 +497,45 @@ def zeropp_comm_bytes(psi: int, world_size: int, node_size: int, qwz: bool = Fal
     return {"intra_node": _num(intra), "cross_node": _num(cross), "total": _num(intra + cross),
             "cross_node_per_node": _num(cross * g),
             "collectives": found, "hpz_secondary_bytes": p * sum(units) // g if hpz else 0}
+
+
+def _check_zeropp(n: int, g: int, grad_accum: int, weight_bits: int, grad_bits: int, block_size: int,
+                  grad_block: int) -> None:
+    _check_world(n)
+    if g < 1 or n % g:
+        raise ValueError(f"world_size ({n}) must be a whole number of nodes of node_size ({g}) ranks.")
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}.")
+    for name, bits in (("weight_bits", weight_bits), ("grad_bits", grad_bits)):
+        if bits not in (4, 8):
+            raise ValueError(f"{name} must be 4 or 8, got {bits!r}.")
+    if block_size < 1 or grad_block < 1:
+        raise ValueError(f"block sizes must be >= 1, got block_size={block_size}, grad_block_size={grad_block}.")
+
+
+def _flat_ring(name: str, n: int, piece_bytes: int, times: int, cross_share: Fraction) -> dict:
+    """A ring over all N ranks: N-1 pieces a call, `cross_share` of them to another node on average."""
+    sent = Fraction((n - 1) * piece_bytes) * times
+    return {"name": name, "group_size": n, "steps": (n - 1) * times, "algorithm": "ring",
+            "intra_node": sent * (1 - cross_share), "cross_node": sent * cross_share}
+
+
+def _node_ring_gather(units: list[int], g: int, p: int, grad_accum: int) -> dict:
+    """hpZ's backward all-gather: a ring inside the node over the secondary partition, never quantized."""
+    sent = Fraction(sum((g - 1) * p * (u // g) for u in units) * grad_accum)
+    return {"name": "backward/all_gather", "group_size": g, "steps": (g - 1) * grad_accum,
+            "algorithm": "node_ring", "intra_node": sent, "cross_node": Fraction(0)}
+
+
+def _two_hop_all_to_all(all_units: list[int], n: int, g: int, grad_bits: int, grad_block: int, scale_bytes: int,
+                        grad_accum: int) -> dict:
+    """qgZ: g-1 quantized slices of P/g inside the node, then M-1 quantized pieces of P/N to the other nodes."""
+    nodes = n // g
+    intra = sum((g - 1) * quantized_bytes(u // g, grad_bits, grad_block, scale_bytes) for u in all_units)
+    cross = sum((nodes - 1) * quantized_bytes(u // n, grad_bits, grad_block, scale_bytes) for u in all_units)
+    return {"name": "backward/all_to_all", "group_size": n, "steps": (g - 1 + nodes - 1) * grad_accum,
+            "algorithm": "two_hop_all_to_all", "intra_node": Fraction(intra * grad_accum),
+            "cross_node": Fraction(cross * grad_accum)}
 
 
 def zeropp_volume_paper(qwz: bool = False, hpz: bool = False, qgz: bool = False) -> float:
@@ -605,7 +623,7 @@ def tinygpt_layer_bytes(s: int, b: int, h: int, a: int, precision: str = "fp32",
 
 __all__ = [
     "GB", "MODEL_STATES", "activation_bytes", "korthikanti_layer_bytes", "tinygpt_layer_bytes",
-    "tinygpt_layer_terms", "PARAM_BYTES", "PRECISIONS", "RING_OPS", "STAGES", "TIERS",
+    "tinygpt_layer_terms", "PRECISIONS", "RING_OPS", "STAGES", "TIERS",
     "ZEROPP_BLOCK_SIZE", "ZEROPP_GRAD_BITS", "ZEROPP_SCALE_BYTES", "ZEROPP_WEIGHT_BITS",
     "collective_time", "comm_bytes_per_step", "comm_volume_paper", "fit_alpha_beta", "layout_numel",
     "master_bytes", "model_state_bytes", "model_state_bytes_paper", "model_state_bytes_paper_parts", "offload_bytes",

@@ -13,6 +13,9 @@ import statistics
 import time
 from pathlib import Path
 
+from zeroedu.fmt import fmt_bytes
+from zeroedu.vocab import MODEL_STATES
+
 DEFAULT = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
@@ -22,7 +25,6 @@ DEFAULT = {
                           "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 20_000,
                           "stage3_max_live_parameters": 40_000},
 }
-MODEL_STATES = ("parameters", "gradients", "master_weights", "optimizer_state")
 
 
 def _train(rank: int, world: int, stage: int, steps: int) -> dict:
@@ -86,7 +88,7 @@ def run(world_size: int = 4, steps: int = 5, out: str | Path = "zeroedu_out/tour
 
 
 def _kib(n: float) -> str:
-    return f"{n / 1024:9.1f}"
+    return fmt_bytes(n, "KiB", 1, label="", grouping=False, width=9)
 
 
 def report(rows: list[dict], world_size: int) -> str:

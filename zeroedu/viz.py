@@ -21,7 +21,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
-from zeroedu.fmt import approx
+from zeroedu.fmt import approx, byte_unit, fmt_bytes
 from zeroedu.memory import CATEGORIES
 
 __all__ = ["CATEGORY_COLORS", "OP_COLORS", "PHASE_COLORS", "alpha_beta_plot", "approx", "backward_segments",
@@ -58,28 +58,6 @@ THEORY_COLOR = "black"
 FIGSIZE = (7.5, 3.6)
 DPI = 90
 TITLE_SIZE, LABEL_SIZE, TICK_SIZE, LEGEND_SIZE = 10.5, 9.5, 8.5, 8
-
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
-
-
-def _unit_for(max_bytes: float, unit: str | None) -> tuple[str, float]:
-    if unit is not None:
-        if unit not in _UNITS:
-            raise ValueError(f"unit must be one of {', '.join(_UNITS)}, got {unit!r}")
-        return unit, _UNITS[unit]
-    for name in ("GiB", "MiB", "KiB"):
-        if max_bytes >= _UNITS[name]:
-            return name, _UNITS[name]
-    return "B", 1
-
-
-def fmt_bytes(n: float, unit: str | None = None, digits: int = 1) -> str:
-    """1536 -> '1.5 KiB'. Binary units unless `unit` says otherwise ('GB' is 1e9, as model sizes are quoted)."""
-    name, scale = _unit_for(abs(n), unit)
-    if name == "B":
-        return f"{int(n):,} B"
-    return f"{n / scale:,.{digits}f} {name}"
-
 
 def table(rows: Iterable[Sequence], headers: Sequence[str], align: str | None = None) -> str:
     """A plain-text table (for print): columns padded to width, numbers right-aligned.
@@ -176,7 +154,7 @@ def memory_bars(per_bar: Mapping[str, Mapping[str, float]], theory: Mapping[str,
     cats = [c for c in known + extra if any(per_bar[b].get(c, 0) for b in labels)]
     totals = [sum(per_bar[b].get(c, 0) for c in cats) for b in labels]
     top = max(totals + [v for v in (theory or {}).values()] + [1])
-    name, scale = _unit_for(top, unit)
+    name, scale = byte_unit(top, unit)
     fig, ax = _new_axes(ax)
     x = np.arange(len(labels))
     width = 0.6
@@ -213,7 +191,7 @@ def ledger_bars(per_bar: Mapping[str, Mapping[str, float]], theory: Mapping[str,
     keys = [k for k in keys if any(per_bar[b].get(k, 0) for b in labels)]
     totals = [sum(per_bar[b].get(k, 0) for k in keys) for b in labels]
     top = max(totals + list((theory or {}).values()) + [1])
-    name, scale = _unit_for(top, unit)
+    name, scale = byte_unit(top, unit)
     fig, ax = _new_axes(ax)
     x = np.arange(len(labels))
     width = 0.6
@@ -393,7 +371,7 @@ def scaling_plot(measured: Mapping[str, Mapping[int, float]], theory: Mapping[st
         raise ValueError("scaling_plot: nothing to draw")
     top = max([v for d in measured.values() for v in d.values()]
               + [v for d in (theory or {}).values() for v in d.values()] + list((floors or {}).values()) + [1])
-    name, scale = _unit_for(top, unit)
+    name, scale = byte_unit(top, unit)
     fig, ax = _new_axes(ax)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (label, pts) in enumerate(measured.items()):

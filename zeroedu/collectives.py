@@ -1,0 +1,180 @@
+"""The collective algorithms behind Comm, each returning the bytes this rank sent.
+
+- "native": torch.distributed's own (NCCL's kernels on GPUs, gloo's on CPU). What it puts on the wire is not
+  visible, so its sent bytes are the ring algorithm's volume for the tensor: an algorithmic figure.
+- "ring": on isend/irecv, one neighbour to the next, N-1 rounds a phase. Sent bytes add up the payloads.
+- "direct": every rank sends each other rank its piece at once: the ring's bytes in one round instead of N-1.
+Every function takes the group as `Peers` (a Comm is one): this rank, the group's size and global ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the single-tensor collectives and deprecated the old names; torch 2.11 and 2.12 (a GPU machine's
+# build, say) have only the old ones. Same signature, same semantics.
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Peers(Protocol):
+    rank: int                       # this rank's index in the group
+    world_size: int
+    ranks: tuple[int, ...]          # the group's global ranks, by index
+    group: dist.ProcessGroup | None
+
+
+Algorithm = Callable[[Peers, torch.Tensor, "torch.Tensor | None"], int]
+
+
+def single(op: str, a: torch.Tensor, b: torch.Tensor | None) -> int:
+    """A group of one: the output is the input, nothing is sent."""
+    if op in {"reduce_scatter", "all_gather", "all_to_all"}:
+        a.copy_(b)
+    return 0
+
+
+def native(p: Peers, op: str, a: torch.Tensor, b: torch.Tensor | None, async_op: bool = False, src: int = 0):
+    """torch.distributed's own collective; returns (the ring volume for the tensor, its Work if async)."""
+    n, g = p.world_size, p.group
+    size = (b if op == "reduce_scatter" else a)
+    nbytes = size.numel() * size.element_size()
+    if op == "all_reduce":
+        return 2 * (n - 1) * nbytes // n, dist.all_reduce(a, group=g, async_op=async_op)
+    if op == "reduce_scatter":
+        return (n - 1) * nbytes // n, REDUCE_SCATTER_SINGLE(a, b, group=g, async_op=async_op)
+    if op == "all_gather":
+        if b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr():
+            b = b.clone()  # the input may be this rank's chunk of the output; native needs them apart
+        return (n - 1) * nbytes // n, ALL_GATHER_SINGLE(a, b, group=g, async_op=async_op)
+    if op == "all_to_all":
+        return (n - 1) * nbytes // n, dist.all_to_all_single(a, b, group=g, async_op=async_op)
+    if op == "broadcast":
+        work = dist.broadcast(a, src=p.ranks[src], group=g, async_op=async_op)
+        return (nbytes if p.rank == src else 0), work   # a tree or ring sends S at least once
+    raise ValueError(op)
+
+
+# -- ring: rank r sends to r+1 and receives from r-1, N-1 times per phase; chunk c is the c-th of N equal parts --
+
+def exchange(p: Peers, send: torch.Tensor, recv: torch.Tensor) -> int:
+    right = p.ranks[(p.rank + 1) % p.world_size]
+    left = p.ranks[(p.rank - 1) % p.world_size]
+    works = [dist.isend(send, right, group=p.group), dist.irecv(recv, left, group=p.group)]
+    for w in works:
+        w.wait()
+    return send.numel() * send.element_size()
+
+
+def ring_reduce_scatter(p: Peers, out: torch.Tensor, inp: torch.Tensor) -> int:
+    n, r = p.world_size, p.rank
+    chunks = inp.reshape(-1).chunk(n)
+    # Step s: send the partial sum of chunk (r-s-1), receive chunk (r-s-2) and add our own part of it.
+    # After n-1 steps the chunk we hold is chunk r, summed over every rank.
+    partial = chunks[(r - 1) % n]
+    recv = torch.empty_like(partial)
+    sums = [torch.empty_like(partial) for _ in range(min(2, n - 1))]   # the one being sent, the next one
+    sent = 0
+    for s in range(n - 1):
+        sent += exchange(p, partial, recv)
+        partial = torch.add(recv, chunks[(r - s - 2) % n], out=sums[s % 2])
+    out.reshape(-1).copy_(partial)
+    return sent
+
+
+def ring_all_gather(p: Peers, out: torch.Tensor, inp: torch.Tensor) -> int:
+    n, r = p.world_size, p.rank
+    chunks = out.reshape(-1).chunk(n)
+    chunks[r].copy_(inp.reshape(-1))
+    sent = 0
+    # Step s: pass on the chunk that arrived last step (our own at s = 0).
+    for s in range(n - 1):
+        sent += exchange(p, chunks[(r - s) % n], chunks[(r - s - 1) % n])
+    return sent
+
+
+def padded_all_reduce(p: Peers, t: torch.Tensor, in_place: Callable[[Peers, torch.Tensor], int]) -> int:
+    """Run an in-place all-reduce algorithm on t, through a zero-padded copy when t's length is not a
+    multiple of N (or t is not contiguous); returns the bytes it sent."""
+    n = p.world_size
+    padded = -(-t.numel() // n) * n
+    if padded == t.numel() and t.is_contiguous():
+        return in_place(p, t.view(-1))
+    work = torch.zeros(padded, dtype=t.dtype, device=t.device)
+    work[: t.numel()].copy_(t.reshape(-1))
+    sent = in_place(p, work)
+    t.copy_(work[: t.numel()].view(t.shape))
+    return sent
+
+
+def ring_all_reduce_in_place(p: Peers, work: torch.Tensor) -> int:
+    n, r = p.world_size, p.rank
+    chunks = work.chunk(n)
+    recv = torch.empty_like(chunks[0])
+    sent = 0
+    for s in range(n - 1):   # reduce-scatter in place: chunk (r-s-2) accumulates what arrives
+        sent += exchange(p, chunks[(r - s - 1) % n], recv)
+        chunks[(r - s - 2) % n].add_(recv)
+    for s in range(n - 1):   # all-gather in place: chunk r is complete, pass complete chunks on
+        sent += exchange(p, chunks[(r - s) % n], chunks[(r - s - 1) % n])
+    return sent
+
+
+def ring_all_reduce(p: Peers, t: torch.Tensor, _: torch.Tensor | None = None) -> int:
+    return padded_all_reduce(p, t, ring_all_reduce_in_place)
+
+
+# -- direct: each rank sends what it sends in the ring, N-1 pieces of S/N, in one round instead of N-1 (2(N-1) for
+# all-reduce): cheaper where each round costs a fixed latency, as for small tensors; the ring uses one link per
+# rank at a time. --
+
+def exchange_all(p: Peers, sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> int:
+    """sends[k-1] goes to the rank k places to the right, recvs[k-1] comes from the rank k to the left."""
+    n, r = p.world_size, p.rank
+    works = []
+    for k, (send, recv) in enumerate(zip(sends, recvs, strict=True), start=1):
+        works.append(dist.irecv(recv, p.ranks[(r - k) % n], group=p.group))
+        works.append(dist.isend(send, p.ranks[(r + k) % n], group=p.group))
+    for w in works:
+        w.wait()
+    return sum(t.numel() * t.element_size() for t in sends)
+
+
+def direct_reduce_scatter(p: Peers, out: torch.Tensor, inp: torch.Tensor) -> int:
+    n, r = p.world_size, p.rank
+    chunks = inp.reshape(-1).chunk(n)
+    recvs = [torch.empty_like(chunks[r]) for _ in range(n - 1)]
+    sent = exchange_all(p, [chunks[(r + k) % n] for k in range(1, n)], recvs)
+    # Add in the ring's order (rank r+1's part first, our own last), so both give the same bits.
+    total = out.reshape(-1)
+    total.copy_(recvs[-1])
+    for part in [*reversed(recvs[:-1]), chunks[r]]:
+        total.add_(part)
+    return sent
+
+
+def direct_all_gather(p: Peers, out: torch.Tensor, inp: torch.Tensor) -> int:
+    n, r = p.world_size, p.rank
+    chunks = out.reshape(-1).chunk(n)
+    chunks[r].copy_(inp.reshape(-1))
+    return exchange_all(p, [chunks[r]] * (n - 1), [chunks[(r - k) % n] for k in range(1, n)])
+
+
+def direct_all_reduce_in_place(p: Peers, work: torch.Tensor) -> int:
+    mine = torch.empty_like(work.chunk(p.world_size)[p.rank])
+    return direct_reduce_scatter(p, mine, work) + direct_all_gather(p, work, mine)
+
+
+def direct_all_reduce(p: Peers, t: torch.Tensor, _: torch.Tensor | None = None) -> int:
+    return padded_all_reduce(p, t, direct_all_reduce_in_place)
+
+
+ALGORITHMS: dict[str, dict[str, Algorithm]] = {
+    "ring": {"all_reduce": ring_all_reduce, "reduce_scatter": ring_reduce_scatter, "all_gather": ring_all_gather},
+    "direct": {"all_reduce": direct_all_reduce, "reduce_scatter": direct_reduce_scatter,
+               "all_gather": direct_all_gather},
+}
