@@ -89,10 +89,16 @@ def test_committed_with_outputs_of_a_clean_run(path):
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
 
 
-# ---- the shape of a lesson (issue 13, section 3): notebooks 00-04, course part A ------------------------------
-# Each course engineer adds their notebooks to LESSONS; the checks below apply to every name listed.
-LESSONS = ["00_start_here", "01_memory_anatomy", "02_collectives", "03_stage0_ddp", "04_stage1"]
-LESSON_PATHS = [ROOT / "notebooks" / f"{name}.ipynb" for name in LESSONS]
+# ---- the shape of a lesson (issue 13, section 3) ------------------------------------------------------------
+# Every lesson of the course, in order, with the checks of its shape it follows. The course was converted in three
+# parts whose checks differ in form: "A" (00-04: numbered Summary, **Next:** link), "B" (05-12: Summary in
+# bullets, **Next:** link), "S" (11-15: numbered Summary, a plain "Next:" line, "about N s (measured"). The checks
+# that all lessons share (the takeaway count, every course notebook registered) run on the whole list.
+LESSONS = {"00_start_here": "A", "01_memory_anatomy": "A", "02_collectives": "A", "03_stage0_ddp": "A",
+           "04_stage1": "A", "05_stage2": "B", "06_stage3": "B", "07_scaling": "B", "08_offload": "B",
+           "09_zeropp": "B", "10_checkpoints": "B", "11_activations_zero_r": "BS", "12_big_models_real_world": "BS",
+           "13_choosing": "S", "14_graduating_deepspeed": "S", "15_interview": "S"}
+LESSON_PATHS = [ROOT / "notebooks" / f"{name}.ipynb" for name, shape in LESSONS.items() if "A" in shape]
 NOTEBOOK_LINK = re.compile(r"\(((\d\d)_[a-z0-9_]+\.ipynb)\)")
 MAX_CODE_LINES = 25
 
@@ -146,6 +152,22 @@ def test_lesson_code_cells_are_short(path):
     assert not long, f"{path.name}: code cells over {MAX_CODE_LINES} lines (index, lines): {long}"
 
 
+def test_every_course_notebook_is_a_registered_lesson():
+    """A new notebook gets the lesson checks: every numbered notebook but the appendices (90+) is in LESSONS."""
+    course = [p.stem for p in NOTEBOOKS if int(p.stem[:2]) < 90]
+    assert course == list(LESSONS), f"LESSONS {list(LESSONS)} should list the course's notebooks in order: {course}"
+    assert all(shape and set(shape) <= set("ABS") for shape in LESSONS.values())
+
+
+@pytest.mark.parametrize("name", list(LESSONS))
+def test_summary_has_three_to_five_takeaways(name):
+    """Issue 13: a Summary of 3-5 takeaways, numbered or in bullets, whichever shape the lesson uses."""
+    summary = re.split(r"^#+\s+中文 小结", _section(load(ROOT / "notebooks" / f"{name}.ipynb"), "Summary"),
+                       flags=re.M)[0]
+    takeaways = re.findall(r"^(?:\d+\.|-)\s", summary, re.M)
+    assert 3 <= len(takeaways) <= 5, f"{name}: the Summary has {len(takeaways)} takeaways, want 3-5"
+
+
 def test_course_map_lists_every_notebook():
     """00's map names each notebook of the course, in order (the new ones too, before they are written)."""
     text = markdown(load(ROOT / "notebooks" / "00_start_here.ipynb"))
@@ -155,11 +177,8 @@ def test_course_map_lists_every_notebook():
     assert not missing, f"00's course map lacks {sorted(missing)}"
 
 
-# ---- course part B: 05_stage2, 06_stage3, 07_scaling, 08_offload, 09_zeropp, 10_checkpoints -----------------------
-# Issue 13's lesson structure, checked on the notebooks that have it; the lead merges the three parts' lists.
-LESSONS_B = [ROOT / "notebooks" / f"{n}.ipynb" for n in
-           ("05_stage2", "06_stage3", "07_scaling", "08_offload", "09_zeropp", "10_checkpoints",
-            "11_activations_zero_r", "12_big_models_real_world")]
+# ---- shape "B" of LESSONS: 05-12 ---------------------------------------------------------------------------------
+LESSONS_B = [ROOT / "notebooks" / f"{name}.ipynb" for name, shape in LESSONS.items() if "B" in shape]
 NEXT_LINK = re.compile(r"\*\*Next:\*\*\s*\[[^\]]*\]\((\d\d_[a-z0-9_]+\.ipynb)\)")
 
 
@@ -203,10 +222,8 @@ def test_lesson_b_code_cells_are_short(path):
     assert not long, f"{path.name}: code cells over {MAX_CODE_LINES} lines (cell, lines): {long}"
 
 
-# -- Course 2.0 (issues 13 and 14): the lesson's shape -----------------------------------------------------------
-# Notebooks converted to the new shape so far; each course engineer adds theirs and the lead merges the sets.
-STRUCTURED = {"11_activations_zero_r", "12_big_models_real_world", "13_choosing", "14_graduating_deepspeed",
-              "15_interview"}
+# -- shape "S" of LESSONS (issues 13 and 14): 11-15 --------------------------------------------------------------
+STRUCTURED = {name for name, shape in LESSONS.items() if "S" in shape}
 # Notebooks other engineers are writing now, which a "Next:" link may already name.
 PLANNED = {"14_graduating_deepspeed", "90_appendix_gpu"}
 CHINESE_TERMS = ("零冗余优化器", "梯度", "优化器状态", "参数分片", "通信量", "卸载", "混合精度", "激活值", "检查点")
