@@ -591,7 +591,7 @@ def test_raw_dist_mismatch_is_named_within_hang_timeout(tmp_path, procs):
         launch(_raw_mismatch, 2, args=(stamp,), hang_timeout=30)
     assert _detected_after(stamp, (0, 1)) < 30 + 10
     msg = str(err.value)
-    assert "collective #2 of group 0,1 (torch.distributed)" in msg
+    assert "collective #2 of group 0,1" in msg
     assert "rank 0 is in torch.distributed.all_reduce float32[4]" in msg
     assert "rank 1 in torch.distributed.broadcast float32[4]" in msg
     line = _raw_mismatch.__code__.co_firstlineno
@@ -630,6 +630,34 @@ def test_save_checkpoint_on_one_rank_is_named(tmp_path, procs):
     msg = str(err.value)
     assert "rank 1 returned from fn while rank 0 waits in torch.distributed.all_gather_object" in msg
     assert "via zeroedu.checkpoint" in msg and "test_launch.py" in msg
+
+
+def _rank_0_saves_while_rank_1_trains(rank, world_size, d):
+    import zeroedu
+    from zeroedu.models import Quirky, gpt_loss, quirky_batch, shard_batch
+    engine, *_ = zeroedu.initialize(model=Quirky(), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 1}})
+    if rank == 0:
+        engine.save_checkpoint(d)    # every rank must call it: rank 1 goes on training instead
+        return
+    for step in range(1000):
+        x, y = shard_batch(*quirky_batch(step, 2 * world_size), rank, world_size)
+        engine.backward(gpt_loss(engine(x), y))
+        engine.step()
+
+
+@pytest.mark.timeout(120)
+def test_raw_dist_against_zeroedus_collective_is_named_as_a_mismatch(tmp_path, procs):
+    """Rank 0 in a torch.distributed collective (save_checkpoint's), rank 1 in one of zeroedu's comm layer: both
+    layers count one group's collectives together, so this is a mismatch with both collectives named, not a hang."""
+    t = time.monotonic()
+    with pytest.raises(CollectiveMismatchError) as err:
+        launch(_rank_0_saves_while_rank_1_trains, 2, args=(str(tmp_path / "ck"),), hang_timeout=5)
+    assert time.monotonic() - t < 5 + 30
+    msg = str(err.value)
+    assert "torch.distributed.all_gather_object" in msg and "via zeroedu.checkpoint" in msg, msg
+    assert "all_reduce" in msg or "reduce_scatter" in msg or "all_gather " in msg, msg
 
 
 # -- limits: no default wall clock, and a timeout that says it is one ------------------------------------------

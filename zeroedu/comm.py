@@ -39,6 +39,15 @@ __all__ = ["ALL_GATHER_SINGLE", "AUTO_ON_GLOO", "REDUCE_SCATTER_SINGLE", "Comm",
 AUTO_ON_GLOO = {"all_reduce": "native", "reduce_scatter": "direct", "all_gather": "direct"}
 
 
+def _group_seq(key: str) -> int | None:
+    """The group's collective count shared with torch.distributed's own calls (zeroedu.launch), or None."""
+    try:
+        from zeroedu.launch import next_collective
+    except ImportError:
+        return None
+    return next_collective(key)
+
+
 def _report(text: str | None) -> None:
     try:
         from zeroedu.launch import report_status
@@ -191,7 +200,8 @@ class Comm:
         full = b if op == "reduce_scatter" else a  # the "S" of the ring formulas
         sig = f"{op} {str(a.dtype).removeprefix('torch.')}[{full.numel()}] ({phase})"
         self.last = f"#{self._seq} {sig}"
-        _report(f"waiting|{self.name}|{self._seq}|{sig}")
+        shown = _group_seq(self.name) or self._seq   # in a launched rank: the group's count, raw calls included
+        _report(f"waiting|{self.name}|{shown}|{sig}")
         t0, wall0, seq = time.perf_counter(), time.time(), self._seq
         impl, work = self._implementation(op), None
         # Averaging: an all-reduce divides its input first (as DDP does: the division overlaps the transfer
@@ -209,7 +219,7 @@ class Comm:
         def finish() -> None:
             if kw.get("average") and self.world_size > 1 and not divide_first:
                 a.div_(self.world_size)
-            _report(f"done|{self.name}|{seq}|{sig}")
+            _report(f"done|{self.name}|{shown}|{sig}")
             self.ledger.note(op, phase, kind, step, full, dtype=a.dtype, group=self.ranks, sent_bytes=sent,
                              sent_measured=impl != "native" or self.world_size == 1, impl=impl,
                              seconds=time.perf_counter() - t0, seq=seq, start=wall0)

@@ -248,6 +248,15 @@ def in_launched_rank() -> bool:
     return _CONTEXT is not None
 
 
+def next_collective(key: str) -> int | None:
+    """The number of this rank's next collective on the group `key` ("0,1,2,3"), counted once for zeroedu's comm
+    layer and the raw torch.distributed calls watched below, or None outside launch(). One count per group means
+    that rank 0 in a torch.distributed collective while rank 1 is in one of zeroedu's is seen as what it is: two
+    different collectives at the same place in the group's order."""
+    ctx = _CONTEXT
+    return None if ctx is None else ctx.next_seq(key)
+
+
 def report_status(text: str | None) -> None:
     """Tell the launcher what this rank is doing; a cheap no-op outside launch().
 
@@ -323,7 +332,7 @@ def _raw_key(name: str, bound: dict, p2p: bool) -> str:
     group = bound.get("group")
     if not p2p:
         ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
-        return f"{','.join(map(str, ranks))} ({_RAW})"
+        return ",".join(map(str, ranks))   # the key zeroedu's comm layer uses: one order per group
     peer = bound.get("dst") if name in ("send", "isend") else bound.get("src")
     if peer is None:
         return f"p2p ({_RAW})"           # recv from any rank
@@ -403,8 +412,16 @@ class _View:
         return bool((self.state or {}).get("full", True))
 
 
+# torch.distributed's names for what zeroedu's comm layer calls all_gather and reduce_scatter
+_RAW_AS = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+           "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter"}
+
+
 def _same(sig_a: str, sig_b: str) -> bool:
-    """Same collective: op, dtype and numel agree (the phase is only a label)."""
+    """Same collective: op, dtype and numel agree (the phase is only a label). A raw torch.distributed call
+    against one of zeroedu's comm layer is compared by op alone: the two describe sizes differently."""
+    if sig_a.startswith(_RAW + ".") != sig_b.startswith(_RAW + "."):
+        return _RAW_AS.get(_op(sig_a), _op(sig_a)) == _RAW_AS.get(_op(sig_b), _op(sig_b))
     return sig_a.rsplit(" (", 1)[0] == sig_b.rsplit(" (", 1)[0]
 
 
@@ -413,7 +430,7 @@ def _op(sig: str) -> str:
 
 
 def _members(key: str, views: list[_View]) -> list[int]:
-    """Global ranks of a group: from its key "0,1,2,3" (torch.distributed's: "0,1,2,3 (torch.distributed)"),
+    """Global ranks of a group: from its key "0,1,2,3" (point-to-point: "0,1 (p2p)"),
     else every rank that ever used that key."""
     try:
         return [int(r) for r in key.split(" ", 1)[0].split(",")]
