@@ -9,7 +9,7 @@ driven by Python playwright through executable_path: no browser is ever download
 127.0.0.1, with a token, in a temp root.
 
 A screenshot of the calculator after the slider moved is saved to out/browser/ (gitignored), and one of the
-page as it was whenever the test fails. The expected bytes come from the ZeRO paper's Table 1 formula, written
+page as it was whenever the test fails. The expected bytes come from the ZeRO paper's Figure 1 formula, written
 out below, not from zeroedu.
 """
 
@@ -49,7 +49,7 @@ TOTAL = re.compile(r"device\s+total\s+([\d,]+) B")
 
 
 def zero_bytes_per_rank(psi: int, n: int, stage: int, k: int = 12) -> int:
-    """ZeRO paper, Table 1, mixed-precision Adam: 2 (fp16 params) + 2 (fp16 grads) + K (fp32 master and moments)
+    """ZeRO paper, Figure 1, mixed-precision Adam: 2 (fp16 params) + 2 (fp16 grads) + K (fp32 master and moments)
     bytes per parameter; stage 1 partitions the K bytes over N ranks, stage 2 the gradients too, stage 3 all."""
     params, grads, optim = 2 * psi, 2 * psi, k * psi
     return (params // n if stage >= 3 else params) + (grads // n if stage >= 2 else grads) + \

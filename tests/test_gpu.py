@@ -7,7 +7,7 @@ References, none taken from the code under test:
 - a single-process run on the CPU, on the global batch (tests/reference.py): the GPU run must train the same
   model. fp32 matmuls on the GPU run without TF32, so fp32 agrees to rounding; bf16 tracks within the
   tolerances tests/test_stages.py uses between ranks;
-- zeroedu.theory's closed forms, which tests/test_theory*.py check against the ZeRO paper's Table 1: the
+- zeroedu.theory's closed forms, which tests/test_theory*.py check against the ZeRO paper's Figure 1 and Table 1: the
   engine's meter must count exactly those model-state bytes on the device;
 - the CUDA caching allocator itself (torch.cuda.memory_allocated): what the device holds after a step, above a
   baseline taken before the model existed, must be the storages the meter counts, up to the allocator's

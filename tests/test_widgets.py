@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_calculator_text_numbers():
-    # 7.5e9 parameters on 64 ranks, bf16 + Adam: 16 x 7.5e9 / 64 = 1.875e9 bytes at stage 3 (Table 1: 1.9 GB).
+    # 7.5e9 parameters on 64 ranks, bf16 + Adam: 16 x 7.5e9 / 64 = 1.875e9 bytes at stage 3 (Table 1: 1.88 GB).
     t3 = widgets.calculator_text(7.5e9, 64, 3, "bf16")
     assert "total              1,875,000,000 B" in t3
     # Stage 3 all-gathers twice and reduce-scatters once: 3 x 63/64 x 15e9 bytes.
