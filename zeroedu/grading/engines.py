@@ -25,13 +25,40 @@ from zeroedu.grading.remote import in_kernel
 from zeroedu.grading.training import TOLERANCE, Case, TrainRun, assemble_full, dict_rel, train_on_ranks
 from zeroedu.stages import Stage0, Stage1, Stage2, Stage3
 
-__all__ = ["Case", "first_stub", "run_bucket_hooks", "run_offload", "run_qwz", "run_stage1", "run_stage2",
-           "run_stage3"]
+__all__ = ["Case", "first_stub", "not_your_own", "run_bucket_hooks", "run_offload", "run_qwz", "run_stage1",
+           "run_stage2", "run_stage3"]
+
+
+def not_your_own(cls: Any, names: Any) -> str | None:
+    """Why `cls` is not a class of the learner's that writes `names` itself, or None: zeroedu's own class under
+    another name (`MyStage1 = Stage1`), or a class whose method comes from zeroedu (inherited, or assigned from
+    the engine's class)."""
+    from zeroedu.grading.kernel import _is_learner_class, is_library_code
+
+    if not isinstance(cls, type):
+        return f"{cls!r} is not a class: write the class the template asks for"
+    if not _is_learner_class(cls):
+        return (f"{cls.__name__} is zeroedu's own class, not one you wrote (or passes itself off as one): define "
+                f"`class {cls.__name__}(...)` in the answer cell and write its methods in its body")
+    for name in names:
+        owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+        if name.startswith("__") or owner is None:   # no such method: first_stub says so
+            continue
+        fn = vars(owner)[name]
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if not _is_learner_class(owner) or code is None or is_library_code(code):
+            return (f"{cls.__name__}.{name} is zeroedu's own code (inherited from {owner.__name__}, or assigned from "
+                    f"it), not yours: write {name} in your class's body")
+    return None
 
 
 def first_stub(cls: type, methods: dict[str, tuple]) -> str | None:
     """The NotImplementedError message of the first method of cls that is still a stub, called on a bare
-    instance with the given arguments (real code fails otherwise, or needs ranks: it is not a stub)."""
+    instance with the given arguments (real code fails otherwise, or needs ranks: it is not a stub); or why
+    cls is not the learner's own class with those methods (not_your_own)."""
+    problem = not_your_own(cls, methods)
+    if problem is not None:
+        return problem
     bare = object.__new__(cls)
     for name, args in methods.items():
         fn = getattr(cls, name, None)
@@ -235,8 +262,17 @@ def _learner_or(stage_cls: type, learner_cls: type, wrap: type | None = None) ->
     return functools.partial(_pick_class, stage_cls, learner_cls, wrap)
 
 
+# The methods each stage exercise asks for: in a rank, the learner's class must define them itself.
+_ASKED = {Stage1: ("reduce_bucket", "optimizer_step", "publish"), Stage2: ("reduce_bucket",),
+          Stage3: ("fetch", "release")}
+
+
 def _pick_class(stage_cls: type, learner_cls: type, wrap: type | None, case: Case) -> type:
     cls = learner_cls if case.engine == "yours" else stage_cls
+    if case.engine == "yours":
+        problem = not_your_own(learner_cls, _ASKED.get(stage_cls, ()))
+        if problem is not None:
+            raise AssertionError(problem)
     return type(cls.__name__, (wrap, cls), {}) if wrap is not None else cls
 
 

@@ -70,6 +70,7 @@ REFUSED_MARK = "zeroedu-grade-refused "   # guard/sitecustomize.py writes refusa
 PROBE_SECONDS = 10.0      # after a timeout, how long an interrupted kernel gets to answer again (loaded machines)
 MAX_RESTARTS = 3          # fresh kernels per notebook after kills or crashes
 TIMEOUT_ENAME = "GraderTimeout"
+REFUSED_ENAME = "RefusedByGrader"   # a cell the grader would not run (forged_answers)
 STARTUP_SECONDS = 180     # kernel start plus the set-up code: importing torch on a loaded machine is slow
 DEFAULT_SETUP = "import zeroedu.grading"
 # Runs in the kernel before anything else: caps what print() can push through ZeroMQ at the source, so a
@@ -88,7 +89,51 @@ def _zeroedu_cap(stream, budget):
 
 _zeroedu_cap(_sys.stdout, {budget})
 _zeroedu_cap(_sys.stderr, {budget})
-del _zeroedu_cap, _sys
+
+
+def _zeroedu_short_errors(budget):
+    # An exception's message and traceback are cut here, before they are sent: a 100 MB message raised at the
+    # top level of a cell would otherwise cross ZeroMQ whole, twice (the error output and the execute reply).
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None:
+        return
+
+    def short(self, etype, value, tb, tb_offset=None):
+        try:
+            text = str(value)
+        except BaseException:
+            text = "(its message could not be printed)"
+        if len(text) > budget:
+            cut = text[:budget] + f" [... {{len(text) - budget}} more characters cut by the grader]"
+            try:
+                value.args = (cut,)
+                ok = len(str(value)) <= budget + 100
+            except BaseException:
+                ok = False
+            if not ok:
+                value = type(etype.__name__, (Exception,), {{}})(cut)
+                etype = type(value)
+            result = getattr(self.displayhook, "exec_result", None)
+            if result is not None:
+                result.error_in_exec = value
+        try:
+            stb = self.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
+        except BaseException:
+            stb = [f"{{etype.__name__}}: {{str(value)[:budget]}}"]
+        kept, left = [], budget
+        for line in stb[-200:]:
+            kept.append(line[:max(0, left)])
+            left -= len(kept[-1])
+        self._showtraceback(etype, value, kept)
+        return kept
+
+    shell.set_custom_exc((BaseException,), short)
+
+
+_zeroedu_short_errors({budget})
+del _zeroedu_cap, _zeroedu_short_errors, _sys
 """
 
 
@@ -264,6 +309,108 @@ def _loaded(source: str) -> set[str]:
         return set()
 
 
+def _shape(source: str) -> tuple[dict[str, str], dict[str, set[str]]]:
+    """A cell's top-level def and class names ({name: "def"|"class"}) and each class's methods."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return {}, {}
+    kinds: dict[str, str] = {}
+    methods: dict[str, set[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            kinds[node.name] = "def"
+        elif isinstance(node, ast.ClassDef):
+            kinds[node.name] = "class"
+            methods[node.name] = {item.name for item in node.body
+                                  if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)}
+    return kinds, methods
+
+
+def _module_bindings(tree: ast.Module) -> list[tuple[str, ast.AST]]:
+    """Every binding of a module-level name in a cell: at its top level (in if/for/with/try too), and through
+    `global` inside functions."""
+    out: list[tuple[str, ast.AST]] = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Global):
+                out.extend((name, child) for name in child.names)
+            if not top:
+                visit(child, False)
+                continue
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                out.append((child.name, child))
+                visit(child, False)
+            elif isinstance(child, ast.Lambda):
+                visit(child, False)
+            elif isinstance(child, ast.Import | ast.ImportFrom):
+                out.extend(((a.asname or a.name).split(".")[0], child) for a in child.names)
+            elif isinstance(child, ast.Name) and isinstance(child.ctx, ast.Store | ast.Del):
+                out.append((child.id, child))
+            elif isinstance(child, ast.NamedExpr) and isinstance(child.target, ast.Name):
+                out.append((child.target.id, child))
+                visit(child, True)
+            else:
+                visit(child, True)
+
+    visit(tree, True)
+    return out
+
+
+def forged_answers(nb: Any, solution: Any) -> dict[int, str]:
+    """Cells of an assembled notebook that the grader refuses to run, and why. Checked here, on the source, so
+    nothing in the kernel can talk the grader out of it:
+    - an answer cell must define each function and class its template defines, with `def` or `class` (not
+      `MyStage1 = Stage1`, not a partial of zeroedu's function), each class with every method of the template
+      written in its own body;
+    - no cell of the learner's may bind one of those names a second time (a later `MyStage1 = Stage1`, a
+      `global` in a function)."""
+    stubs = {gid: c for gid, c in _by_grade_id(nbtools.to_exercise(solution, "")).items()
+             if nbtools.cell_info(c).role == "answer" and c.cell_type == "code"}
+    asked = {gid: _shape(c.source) for gid, c in stubs.items()}
+    owner = {name: gid for gid, (kinds, _) in asked.items() for name in kinds}
+    seen: dict[str, str] = {}
+    problems: dict[int, str] = {}
+    for i, (cell, where) in enumerate(zip(nb.cells, places(nb), strict=True)):
+        if where != "kernel" or cell.cell_type != "code":
+            continue
+        gid = cell.metadata.get("zeroedu_grade", {}).get("grade_id")
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:
+            continue   # it fails in the kernel, with Python's own message
+        why: list[str] = []
+        bindings = _module_bindings(tree)
+        if gid in asked:
+            kinds, methods = _shape(cell.source)
+            bound = {name for name, _ in bindings}
+            for name, kind in asked[gid][0].items():
+                if name not in bound:
+                    continue   # never defined: the tests say "not defined", with what this cell did instead
+                if kinds.get(name) != kind:
+                    why.append(f"it must define {name} with a `{kind} {name}` statement, as the template does")
+                elif kind == "class":
+                    missing = sorted(asked[gid][1][name] - methods[name])
+                    if missing:
+                        why.append(f"class {name} must write {', '.join(missing)} in its own body (the "
+                                   "methods this exercise asks for)")
+        for name, node in bindings:
+            if name not in owner:
+                continue
+            first = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and gid == owner[name] \
+                and name not in seen
+            if first:
+                seen[name] = gid
+            elif not any(name in w for w in why):
+                why.append(f"it binds {name} again (line {getattr(node, 'lineno', '?')}), which the answer cell "
+                           f"'{owner[name]}' defines: an answer name is defined once, by its answer cell")
+        if why:
+            what = f"answer cell '{gid}'" if gid in asked else "cell you added"
+            problems[i] = f"zeroedu grade refused to run this {what}: " + "; ".join(why) + "."
+    return problems
+
+
 def places(nb: Any) -> list[str]:
     """Where each cell of an assembled notebook runs when graded: "kernel" (the learner's answers and added
     cells), "both" (given set-up code the answers need: the cells before the first answer, and those defining
@@ -320,7 +467,15 @@ class _Client(NotebookClient):
         size = len(content.get("text", "")) + sum(len(str(v)) for v in content.get("data", {}).values())
         room = self.max_output - self.output_bytes
         self.output_bytes += size
-        if size <= room or msg.get("msg_type") == "error":  # errors are how tests fail: always keep them
+        if msg.get("msg_type") == "error":  # errors are how tests fail: always keep them, cut to max_output
+            cut = {**content, "ename": str(content.get("ename", ""))[:200],
+                   "evalue": _cut(str(content.get("evalue", "")), self.max_output), "traceback": []}
+            left = self.max_output
+            for line in content.get("traceback", [])[-200:]:
+                cut["traceback"].append(str(line)[:max(0, left)])
+                left -= len(cut["traceback"][-1])
+            return super().output(outs, {**msg, "content": cut}, display_id, cell_index)
+        if size <= room:
             return super().output(outs, msg, display_id, cell_index)
         if self.truncated:
             return None
@@ -492,6 +647,11 @@ class _Runner:
         if nbtools.SKIP_TAG in cell.metadata.get("tags", []):
             self.runs[i] = CellRun("skipped")
             return "ok"
+        refused = cell.metadata.get("zeroedu_grade", {}).get("refused")
+        if refused:
+            self.runs[i] = CellRun("error", REFUSED_ENAME, refused)
+            cell.outputs = [nbformat.v4.new_output("error", ename=REFUSED_ENAME, evalue=refused, traceback=[])]
+            return "error"
         if self.places[i] == "grader":
             return await self._grader_cell(i)
         status = await self._kernel_cell(client, replies, i, record)
@@ -587,7 +747,8 @@ class _Runner:
         reply = replies.get(i, {})
         run = CellRun("ok", seconds=time.monotonic() - t0)
         if reply.get("status") == "error":
-            run = CellRun("error", reply.get("ename", ""), reply.get("evalue", ""), run.seconds)
+            run = CellRun("error", str(reply.get("ename", ""))[:200], _cut(str(reply.get("evalue", "")),
+                                                                         self.limits.max_output), run.seconds)
         if run.ename == TIMEOUT_ENAME:
             run.status = "timeout"
             if not await self._responsive(client):
@@ -825,7 +986,7 @@ def _plain(run: CellRun) -> str:
     if run.status == "not run":
         return f"not run: {run.evalue}" if run.evalue else "not run"
     ename, evalue = run.ename, run.evalue
-    if ename == "CheckFailed":
+    if ename in ("CheckFailed", REFUSED_ENAME):
         return evalue
     if ename == "NotImplementedError":
         return f"not implemented yet: {evalue}" if evalue else "not implemented yet"
@@ -891,13 +1052,26 @@ class Options:
     sandbox_limits: Any = None
 
 
+def default_options(solutions_dir: Path | None, inputs: list[Path], executed: Path | None) -> Options:
+    """The sandbox, with solutions and the run's inputs and outputs hidden: what grade() and grade_notebook()
+    use unless given Options(trusted=True). RuntimeError where bubblewrap cannot run."""
+    from zeroedu.grading import sandbox as sb
+
+    ok, why = sb.check()
+    if not ok:
+        raise RuntimeError(f"no sandbox: {why}: {sb.INSTALL_HINT} (the Python API: options=Options(trusted=True))")
+    solutions = (solutions_dir or default_dir("solutions")).resolve()
+    return Options(trusted=False, hidden=sb.hidden_paths(solutions, list(inputs),
+                                                         [executed] if executed is not None else []))
+
+
 def grade_notebook(path: Path, learner: str, solutions: dict[str, Any], limits: Limits,
                    scratch: Path, executed: Path | None = None, options: Options | None = None,
                    shown_as: str | None = None) -> ExerciseResult:
     """Grade one notebook (a copy the grader made: `shown_as` is the submission's own path, for the report)."""
     from zeroedu.grading import sandbox as sb
 
-    options = options or Options(trusted=True)
+    options = options or default_options(None, [path], executed)
     t0 = time.monotonic()
     shown = shown_as or str(path)
     result = ExerciseResult(learner, path.stem, shown)
@@ -915,6 +1089,8 @@ def grade_notebook(path: Path, learner: str, solutions: dict[str, Any], limits: 
         return result
     result.exercise = name
     nb = assemble(submission, solutions[name])
+    for i, why in forged_answers(nb, solutions[name]).items():
+        nb.cells[i].metadata["zeroedu_grade"]["refused"] = _cut(why, limits.max_output)
     workdir = Path(tempfile.mkdtemp(prefix="nb-", dir=scratch))
     private = Path(tempfile.mkdtemp(prefix="grader-", dir=scratch))
     shutil.copyfile(path, workdir / Path(shown).name)
@@ -963,7 +1139,8 @@ def shadowed_engine_names(nb: Any, submission: Any) -> list[str]:
         for node in tree.body:
             if not isinstance(node, ast.ClassDef):
                 continue
-            bases = [b.id for b in node.bases if isinstance(b, ast.Name)]
+            bases = [b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
+                     if isinstance(b, ast.Name | ast.Attribute)]
             engine = _engine_class(bases)
             if engine is None:
                 continue
@@ -1108,8 +1285,8 @@ def newest_only(subs: list[Submission]) -> tuple[list[Submission], dict[int, lis
 
 def grade(paths: list[Path], solutions_dir: Path, limits: Limits, executed: Path | None = None,
           progress: bool = True, options: Options | None = None, jobs: int = 1) -> list[ExerciseResult]:
-    options = options or Options(trusted=True)
     solutions = load_solutions(solutions_dir)
+    options = options or default_options(solutions_dir, paths, executed)
     pairs = collect(paths)
     results: list[ExerciseResult] = []
     with tempfile.TemporaryDirectory(prefix="zeroedu-grade-") as scratch:

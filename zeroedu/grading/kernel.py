@@ -18,7 +18,7 @@ sitecustomize (guard/) applies them in every Python process there, the ranks' fo
 from __future__ import annotations
 
 import builtins
-import functools
+import contextlib
 import importlib
 import json
 import os
@@ -34,6 +34,11 @@ MAX_MESSAGE = 2000                               # characters of an exception me
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NOT_LEARNER = tuple(p for p in {_PKG, sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
                                  sysconfig.get_paths()["platlib"], os.path.dirname(os.__file__)} if p)
+_ROOTS = tuple({os.path.realpath(p).rstrip(os.sep) + os.sep for p in _NOT_LEARNER})
+
+
+def _under_roots(filename: str) -> bool:
+    return os.path.realpath(filename).startswith(_ROOTS)
 
 
 def config() -> dict:
@@ -49,37 +54,130 @@ def config() -> dict:
 
 
 # -- who is calling --------------------------------------------------------------------------------------------
+#
+# "Library code" is decided positively: a frame is zeroedu's, torch's or Python's own only when its file really
+# exists under one of the read-only roots above (or is a module frozen into the interpreter) AND its code object
+# is one that file compiles to. A name is not enough: learner code compiled with compile(src, '/usr/lib/python3/x',
+# ...) or a 'site-packages' file name, or a class whose __module__ is set to 'zeroedu.stages.stage1', is still
+# the learner's.
+
+_CODES: dict[str, frozenset | None] = {}       # file name -> every code object it compiles to (None: not library)
+_VERDICTS: dict[Any, bool] = {}                # code object -> is library code
+
+
+def _all_codes(code: Any, out: set) -> set:
+    out.add(code)
+    for const in code.co_consts:
+        if isinstance(const, type(code)):
+            _all_codes(const, out)
+    return out
+
+
+def _compiled(filename: str) -> Any:
+    """The module code of a library file: its fresh .pyc when there is one (what import loaded), else compiled."""
+    import importlib.util
+    import marshal
+
+    with open(filename, "rb") as f:
+        source = f.read()
+    try:
+        pyc = importlib.util.cache_from_source(filename)
+        with open(pyc, "rb") as f:
+            data = f.read()
+        st = os.stat(filename)
+        flags = int.from_bytes(data[4:8], "little")
+        if data[:4] == importlib.util.MAGIC_NUMBER and flags == 0 and \
+                int.from_bytes(data[8:12], "little") == int(st.st_mtime) & 0xFFFFFFFF and \
+                int.from_bytes(data[12:16], "little") == st.st_size & 0xFFFFFFFF:
+            return marshal.loads(data[16:])
+    except (OSError, ValueError, EOFError, TypeError, NotImplementedError):
+        pass
+    return compile(source, filename, "exec", dont_inherit=True)
+
+
+def _library_codes(filename: str) -> frozenset | None:
+    if filename in _CODES:
+        return _CODES[filename]
+    codes = None
+    try:
+        if filename.startswith("<frozen ") and filename.endswith(">"):
+            import _imp
+
+            name = filename[len("<frozen "):-1]
+            for candidate in (name, "_frozen_importlib" if name == "importlib._bootstrap" else "",
+                              "_frozen_importlib_external" if name == "importlib._bootstrap_external" else ""):
+                if candidate and _imp.is_frozen(candidate):
+                    codes = frozenset(_all_codes(_imp.get_frozen_object(candidate), set()))
+                    break
+        elif os.path.isabs(filename) and filename.endswith(".py") and _under_roots(filename) \
+                and os.path.isfile(filename):
+            codes = frozenset(_all_codes(_compiled(filename), set()))
+    except (OSError, SyntaxError, ValueError, ImportError, MemoryError):
+        codes = None
+    _CODES[filename] = codes
+    return codes
+
+
+def is_library_code(code: Any) -> bool:
+    """True for a code object of zeroedu, torch or the standard library as its real file compiles it."""
+    verdict = _VERDICTS.get(code)
+    if verdict is None:
+        codes = _library_codes(code.co_filename)
+        verdict = _VERDICTS[code] = codes is not None and code in codes
+    return verdict
+
 
 def _is_learner_file(filename: str) -> bool:
+    """For tracebacks only (a frame's text): a file outside the library roots."""
     return not filename.startswith(_NOT_LEARNER) and not filename.startswith("<frozen") and "site-packages" \
         not in filename and "/lib/python3" not in filename
 
 
 def learner_on_stack() -> str | None:
-    """The innermost frame of learner code (a notebook cell, exec'd text) between here and the grader's
-    request, as "function, line N", or None."""
+    """The innermost frame of learner code (a notebook cell, exec'd text, anything that is not library code)
+    between here and the grader's request, as "function, line N", or None."""
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code is answer.__code__:
             return None
         # The outermost frame is the process's own start (`python -c ...` of multiprocessing's forkserver).
-        if frame.f_back is not None and _is_learner_file(frame.f_code.co_filename):
+        if frame.f_back is not None and not is_library_code(frame.f_code):
             return f"{frame.f_code.co_name}, line {frame.f_lineno} of {frame.f_code.co_filename}"
         frame = frame.f_back
     return None
 
 
+def _functions(cls: type) -> list[Any]:
+    out = []
+    for value in vars(cls).values():
+        for fn in (value, getattr(value, "__func__", None), getattr(value, "fget", None),
+                   getattr(value, "fset", None)):
+            code = getattr(fn, "__code__", None)
+            if isinstance(code, type(answer.__code__)):
+                out.append(code)
+    return out
+
+
 def _is_learner_class(cls: type) -> bool:
-    """Defined in a notebook cell or exec'd text (module __main__, or a module with a learner's file), not in
-    zeroedu, torch or the standard library."""
+    """Not zeroedu's, torch's or Python's: defined in a notebook cell or exec'd text. A class counts as the
+    library's only when its module is a real library module and every function in its own body is library code
+    (so a learner class that sets __module__ = 'zeroedu.stages.stage1' is still the learner's)."""
+    if any(not is_library_code(code) for code in _functions(cls)):
+        return True
     module = getattr(cls, "__module__", "") or ""
-    if module == "__main__":
+    if not isinstance(module, str) or module == "__main__":
         return True
     loaded = sys.modules.get(module)
+    if loaded is None:
+        return module != "builtins"
     filename = getattr(loaded, "__file__", None)
     if filename is None:
-        return loaded is None and module not in ("builtins",)
-    return _is_learner_file(filename)
+        origin = getattr(getattr(loaded, "__spec__", None), "origin", None)
+        return not (module in sys.builtin_module_names or origin in ("built-in", "frozen"))
+    filename = str(filename)
+    if not filename.endswith(".py"):   # an extension module: a real file under the read-only roots
+        return not (_under_roots(filename) and os.path.isfile(filename))
+    return _library_codes(filename) is None
 
 
 def learner_class(obj: Any) -> str | None:
@@ -102,12 +200,21 @@ def _message(target: str, who: str) -> str:
             "version).")
 
 
+def _like(blocked: Any, original: Any) -> Any:
+    """Name and document the blocked version as the original, without functools.wraps: its __wrapped__ would
+    hand learner code the original. The original lives only in the blocked function's closure."""
+    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(blocked, attr, getattr(original, attr))
+    blocked._zeroedu_blocked = True
+    return blocked
+
+
 def _block_method(cls: type, name: str, label: str) -> None:
     original = getattr(cls, name)
     if getattr(original, "_zeroedu_blocked", False):
         return
 
-    @functools.wraps(original)
     def blocked(self: Any, *args: Any, **kwargs: Any) -> Any:
         who = learner_class(self)
         if who is not None:
@@ -117,8 +224,7 @@ def _block_method(cls: type, name: str, label: str) -> None:
             raise WriteYourOwn(_message(label, f"your code ({where})"))
         return original(self, *args, **kwargs)
 
-    blocked._zeroedu_blocked = True  # type: ignore[attr-defined]
-    setattr(cls, name, blocked)
+    setattr(cls, name, _like(blocked, original))
 
 
 def _block_function(module: Any, name: str, label: str) -> None:
@@ -126,15 +232,13 @@ def _block_function(module: Any, name: str, label: str) -> None:
     if getattr(original, "_zeroedu_blocked", False):
         return
 
-    @functools.wraps(original)
     def blocked(*args: Any, **kwargs: Any) -> Any:
         where = learner_on_stack()
         if where:
             raise WriteYourOwn(_message(label, f"your code ({where})"))
         return original(*args, **kwargs)
 
-    blocked._zeroedu_blocked = True  # type: ignore[attr-defined]
-    setattr(module, name, blocked)
+    setattr(module, name, _like(blocked, original))
 
 
 def apply_blocks(targets: list[str] | None = None) -> list[str]:

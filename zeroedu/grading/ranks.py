@@ -122,11 +122,7 @@ def run_on_ranks(job: Callable, world_size: int, args: tuple = (), what: str = "
         # the rank that is not in the collective; its time limit (a limit, not a diagnosis) blames no rank.
         return launch(job, world_size=world_size, args=args, timeout=timeout, hang_timeout=0.5 * timeout)
     except RankError as e:
-        head = str(e).split("\n\nTraceback from rank", 1)[0]
-        head = " ".join(line.strip() for line in head.splitlines() if line.strip())
-        head = re.sub(r"^rank (\d+) of (\d+) raised ", r"on rank \1 of \2, " + what + " raised ", head)
-        if len(head) > 1500:
-            head = head[:1500] + " [...]"
+        head = re.sub(r"^rank (\d+) of (\d+) raised ", r"on rank \1 of \2, " + what + " raised ", _whole(e))
         raise AssertionError(head + _learner_line(e.traceback)) from None
     except RankHangError as e:
         where = ""
@@ -144,6 +140,17 @@ def run_on_ranks(job: Callable, world_size: int, args: tuple = (), what: str = "
         raise AssertionError(f"{what} hung: the ranks did not finish within {timeout:g} s.{where}"
                              + (f" {hang_hint}" if hang_hint else "")) from None
     except CollectiveMismatchError as e:
-        raise AssertionError(f"{what}: ranks called different collectives ({str(e).splitlines()[0]})") from None
+        raise AssertionError(f"{what}: ranks called different collectives ({_whole(e)})") from None
     except LaunchError as e:
-        raise AssertionError(f"could not run {what} on {world_size} ranks: {str(e).splitlines()[0]}") from None
+        raise AssertionError(f"could not run {what} on {world_size} ranks: {_whole(e)}") from None
+
+
+MAX_RANK_MESSAGE = 1800   # characters of a launcher's message kept (the grader cuts notes to --max-output too)
+
+
+def _whole(e: BaseException) -> str:
+    """The launcher's whole message on one line (gloo's text and every rank's status included), without the
+    tracebacks it appends, cut to MAX_RANK_MESSAGE characters."""
+    head = str(e).split("\n\nTraceback from rank", 1)[0]
+    head = " ".join(line.strip() for line in head.splitlines() if line.strip())
+    return head[:MAX_RANK_MESSAGE] + " [...]" if len(head) > MAX_RANK_MESSAGE else head

@@ -10,7 +10,8 @@ It does two things:
 2. An audit hook (sys.addaudithook) refuses to delete, rename over, truncate or open for writing a file outside
    the notebook's working directory, with a PermissionError that says why. Each refusal is written as one line
    to a copy of the stderr that the grader gave the kernel: a pipe, read by the grader outside the sandbox, so
-   learner code cannot erase what was written. Inside bubblewrap the operating system refuses those writes
+   learner code cannot erase what was written (it can close that copy, and fd 2: later refusals then go
+   unlogged, though still refused). Inside bubblewrap the operating system refuses those writes
    anyway (read-only mounts); the hook makes the message clear. Without the sandbox (`zeroedu grade --trusted`)
    it guards against accidents only: ctypes and other programs are not audited.
 """
@@ -34,8 +35,9 @@ def _install():
         sys.stderr.write(f"zeroedu grade: could not apply the exercise's blocks: {type(e).__name__}: {e}\n")
     try:
         log_fd = os.dup(2)   # stays open in forked ranks, which point their own fd 2 at files
+        log_id = (os.fstat(log_fd).st_dev, os.fstat(log_fd).st_ino)
     except OSError:
-        log_fd = -1
+        log_fd, log_id = -1, None
     real_root = os.path.realpath(root)
     allowed = ("/dev/", "/proc/self/")  # /dev/null, /dev/shm semaphores, our own fds
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
@@ -68,11 +70,16 @@ def _install():
         return full
 
     def refuse(what, path):
-        if log_fd >= 0:
+        # To the grader's pipe: our copy of it, or, if learner code closed that copy, fd 2 while it is still the
+        # same pipe (never into a file learner code opened under the same number).
+        line = (MARK + json.dumps({"op": what, "path": path, "pid": os.getpid()}) + "\n").encode()
+        for fd in (log_fd, 2):
             try:
-                os.write(log_fd, (MARK + json.dumps({"op": what, "path": path, "pid": os.getpid()}) + "\n").encode())
+                if fd >= 0 and (os.fstat(fd).st_dev, os.fstat(fd).st_ino) == log_id:
+                    os.write(fd, line)
+                    break
             except OSError:
-                pass
+                continue
         raise PermissionError(f"zeroedu grader: refused to {what} {path}: it is outside this notebook's working "
                               f"directory {root}. Graded code may only change files under its own folder.")
 
