@@ -19,7 +19,10 @@ How a notebook is graded:
    nbgrader points when it runs here without error, else zero with the first error in plain words.
 3. While a notebook is graded, the engine pieces its exercise asks for (solution metadata zeroedu.write_your_own)
    raise "write your own" whenever learner code reaches them (kernel.apply_blocks, applied by
-   guard/sitecustomize.py in every Python process of the sandbox).
+   guard/sitecustomize.py in every Python process of the sandbox). Before that, forged_answers reads the
+   learner's cells here: an answer cell must define its template's functions and classes with def/class (each
+   class writing the asked methods in its own body) and no cell may bind an answer name again; such a cell is
+   not run (MyStage1 = Stage1, class MyStage1(Stage1): pass).
 4. Limits: --timeout seconds per cell (the kernel is interrupted; if it ignores that, its whole sandbox is
    killed and a fresh kernel replays the cells that had run), --notebook-timeout for the whole notebook
    (kernel start-up and the notebook's `grader_setup` code are not counted), --max-output bytes of output kept
