@@ -10,7 +10,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from test_grading import EXERCISES, SOLUTIONS, _by_id, _points, make_submission
+from test_grading import EXERCISES, SOLUTIONS, _by_id, _points, _sandboxed_or_trusted, make_submission
 
 from zeroedu import theory
 from zeroedu.grading import ex10, grader
@@ -172,10 +172,11 @@ def test_the_hidden_sheet_is_in_no_module_the_exercise_can_import():
 def test_solution_scores_full_marks_and_the_stub_zero():
     want = _points(EXERCISE)
     limits = grader.Limits(cell_timeout=60)
-    [solved] = grader.grade([SOLUTIONS / f"{EXERCISE}.ipynb"], SOLUTIONS, limits, progress=False)
+    opts = _sandboxed_or_trusted()   # the sandbox where bubblewrap runs, else --trusted
+    [solved] = grader.grade([SOLUTIONS / f"{EXERCISE}.ipynb"], SOLUTIONS, limits, progress=False, options=opts)
     assert {t.grade_id: t.points for t in solved.tests} == want, [(t.grade_id, t.message) for t in solved.tests]
     assert solved.points == sum(want.values()) and any(t.hidden for t in solved.tests)
-    [stub] = grader.grade([EXERCISES / f"{EXERCISE}.ipynb"], SOLUTIONS, limits, progress=False)
+    [stub] = grader.grade([EXERCISES / f"{EXERCISE}.ipynb"], SOLUTIONS, limits, progress=False, options=opts)
     assert stub.points == 0 and {t.grade_id for t in stub.tests} == set(want)
     for t in stub.tests:
         assert t.message.startswith(("not implemented yet: correct", "not implemented yet: is_true")), t.message
@@ -212,7 +213,8 @@ WRONG = {
 def test_wrong_answers_lose_their_points_with_a_pointed_hint(fixture, tmp_path):
     failing = WRONG[fixture]
     path = make_submission(EXERCISE, fixture, tmp_path / "learner")
-    [r] = grader.grade([path], SOLUTIONS, grader.Limits(cell_timeout=60), progress=False)
+    [r] = grader.grade([path], SOLUTIONS, grader.Limits(cell_timeout=60), progress=False,
+                       options=_sandboxed_or_trusted())
     tests, points = _by_id(r), _points(EXERCISE)
     assert {gid for gid, t in tests.items() if not t.passed} == set(failing), [(t.grade_id, t.message) for t in r.tests]
     for gid, words in failing.items():
