@@ -660,6 +660,20 @@ def test_raw_dist_against_zeroedus_collective_is_named_as_a_mismatch(tmp_path, p
     assert "all_reduce" in msg or "reduce_scatter" in msg or "all_gather " in msg, msg
 
 
+def _raw_shape_mismatch(rank, world_size):
+    dist.all_reduce(torch.ones(4 if rank == 0 else 8))   # one collective, two sizes: gloo aborts the process
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_aborted_by_gloo_keeps_gloos_message(procs):
+    """gloo ends a size mismatch with a C++ exception (SIGABRT); its message comes before the stack dump that fills
+    the stderr tail, and is kept."""
+    with pytest.raises(RankError) as err:
+        launch(_raw_shape_mismatch, 2, hang_timeout=10)
+    msg = str(err.value)
+    assert "SIGABRT" in msg and "Is there a distributed collective mismatch in your code?" in msg, msg
+
+
 # -- limits: no default wall clock, and a timeout that says it is one ------------------------------------------
 
 def test_no_default_wall_clock_limit():

@@ -565,13 +565,20 @@ def _trim_stack(text: str) -> str:
     return "\n\n".join(blocks)
 
 
+# How a C++ exception that aborts a rank (gloo's "Is there a distributed collective mismatch in your code?") starts
+# its message: printed before the stack dump that fills the tail.
+_ABORT_LINES = ("terminate called after throwing", "  what():", "Fatal Python error")
+
+
 def _tail(path: str, n: int = _TAIL_LINES) -> str:
+    """The last n lines of a rank's stderr, after the lines that say why the process aborted, if any."""
     try:
         with open(path, errors="replace") as f:
             lines = f.read().splitlines()
     except OSError:
         return ""
-    return "\n".join(lines[-n:])
+    cause = [line for line in lines[:-n] if line.startswith(_ABORT_LINES)]
+    return "\n".join(cause + ["..."] * bool(cause) + lines[-n:])
 
 
 def _exit_text(code: int, pid: int | None = None) -> str:
