@@ -123,3 +123,31 @@ def test_no_stage_number_branches_in_extras():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "stage":
                 pytest.fail(f"{path.relative_to(ROOT.parent)}:{node.lineno} branches on the stage number")
+
+
+def imports_of(path: Path) -> set[str]:
+    """zeroedu modules that `path` imports, at the top or inside a function (`from zeroedu import x` -> zeroedu.x)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return {m for m in out if m.startswith("zeroedu.")}
+
+
+def test_no_import_cycle_through_the_engine_its_stages_or_extras():
+    """engine <- stages <- offload, zeropp <- compose: following imports from any of them never comes back."""
+    files = [*CORE, *EXTRAS[:4], ROOT / "compose.py"]   # engine, stages, offload, zeropp, checkpoint, zero
+    modules = {"zeroedu." + ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in files}
+    graph = {m: imports_of(p) & modules.keys() for m, p in modules.items()}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in graph[start] - seen:
+            if nxt == goal or reaches(nxt, goal, seen | {nxt}):
+                return True
+        return False
+
+    cyclic = sorted(m for m in graph if reaches(m, m, set()))
+    assert not cyclic, f"these modules import themselves through others: {cyclic}"
