@@ -71,12 +71,15 @@ class Engine:
     step        grad_pieces() -> optimizer_step(grads, coef) -> publish(), which puts each new master piece
                 in its param_home(bucket) by write_back(bucket, master) and gathers; then zero_grads()
     build_optimizer() makes the optimizer over master_pieces (offload: on the host)
+    attributes  stage, sharded, partitions_grads (extras ask these, not the stage number), layout,
+                master_pieces, grad_shard, param_shard; stage 3: gathered, inflight, unit_buffers, persistent
     memory      owned() by category (tier_bytes() for other tiers)
     checkpoints master_full(), checkpoint_master(), checkpoint_optimizer_state(), restore_checkpoint()
     """
 
     stage = -1
     sharded = False      # does each rank own only part of the optimizer state (stages 1-3)?
+    partitions_grads = False   # stages 2-3: no full gradient buffer; every micro-step reduces into the shard
 
     def __init__(self, model: torch.nn.Module, config: Config, comm: Comm | None = None) -> None:
         self.module = model

@@ -18,7 +18,6 @@ from zeroedu.stages.sizing import reduce_bucket_numel
 
 class Stage0(Engine):
     stage = 0
-    partitions_grads = False   # stages 2-3: no full gradient buffer; every micro-step reduces into the shard
 
     def setup(self) -> None:
         super().setup()   # make_layout, place_parameters
