@@ -193,8 +193,8 @@ def watched_prefetch(rank: int, world: int, path: str) -> dict:
     its tier (observed by overriding two methods in a subclass of the engine's own class)."""
     import threading
 
+    from zeroedu.compose import engine_class
     from zeroedu.models import shard_batch
-    from zeroedu.stages import engine_class
 
     from reference import batch, loss_fn, make
 

@@ -5,8 +5,8 @@ from zeroedu._version import __version__
 __all__ = ["Config", "ConfigError", "initialize", "launch", "load_config", "__version__"]
 
 try:
+    from zeroedu.compose import initialize
     from zeroedu.config import Config, ConfigError, load_config
-    from zeroedu.engine import initialize
     from zeroedu.launch import launch
 except ModuleNotFoundError as _missing:
     if _missing.name != "torch":

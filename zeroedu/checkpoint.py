@@ -33,8 +33,8 @@ Safe, all-or-nothing loads: every file is checked (present, size, sha256, conten
 and every rank reports what it found before any rank changes its engine, so a bad checkpoint raises the
 same error on every rank and leaves every engine as it was.
 
-Offload and other engines plug in with three optional methods; without them the defaults below read
-`engine.master_pieces` and `engine.optimizer.state`:
+It reads and writes an engine through three hooks of the engine protocol (zeroedu.engine.Engine; Engine's
+defaults read `engine.master_pieces` and `engine.optimizer.state`, offload overrides them):
 - `checkpoint_master() -> list[Tensor]`: the fp32 master piece of each bucket (this rank's piece, or the
   whole bucket at stage 0), wherever it lives;
 - `checkpoint_optimizer_state() -> list[dict]`: the optimizer state of each piece ({name: tensor or value});
@@ -94,24 +94,15 @@ def _extras(engine) -> dict[str, torch.Tensor]:
 
 
 def _master(engine) -> list[torch.Tensor]:
-    hook = getattr(engine, "checkpoint_master", None)
-    return hook() if hook else [p.data for p in engine.master_pieces]
+    return engine.checkpoint_master()
 
 
 def _optimizer_state(engine) -> list[dict]:
-    hook = getattr(engine, "checkpoint_optimizer_state", None)
-    return hook() if hook else [dict(engine.optimizer.state.get(p, {})) for p in engine.master_pieces]
+    return engine.checkpoint_optimizer_state()
 
 
 def _restore(engine, master: list[torch.Tensor], state: list[dict] | None) -> None:
-    hook = getattr(engine, "restore_checkpoint", None)
-    if hook:
-        return hook(master, state)
-    for piece, t in zip(engine.master_pieces, master, strict=True):
-        piece.data.copy_(t)          # in fp32 the master pieces are the parameters themselves
-    if state is not None:
-        for piece, s in zip(engine.master_pieces, state, strict=True):
-            engine.optimizer.state[piece] = s
+    engine.restore_checkpoint(master, state)
 
 
 def _window(engine, b, piece: torch.Tensor) -> int:

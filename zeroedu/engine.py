@@ -1,4 +1,4 @@
-"""`initialize()` and the part of a training step that every ZeRO stage shares.
+"""The part of a training step that every ZeRO stage shares (zeroedu.compose builds an engine: initialize()).
 
 A stage decides where parameters, gradients and optimizer state live and which collectives move them
 (`zeroedu/stages/`). Everything else is here, once: precision, the loss scale, gradient accumulation,
@@ -13,54 +13,16 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from zeroedu.comm import Comm, LedgerEntry
-from zeroedu.config import Config, load_config
+from zeroedu.comm import Comm, Handle, LedgerEntry
+from zeroedu.config import Config
 from zeroedu.memory import MODEL_STATES, PeakTracker, SavedActivations, resident
 from zeroedu.precision import LossScaler, compute_dtype
-
-
-def initialize(model: torch.nn.Module | None = None, config=None, model_parameters=None, optimizer=None,
-               lr_scheduler=None, training_data=None, collate_fn=None, config_params=None, args=None, mpu=None,
-               dist_init_required: bool | None = None):
-    """Wrap `model` in the engine for `config["zero_optimization"]["stage"]`, like `deepspeed.initialize`.
-
-    Returns `(engine, optimizer, data_loader, lr_scheduler)`, as DeepSpeed does: the data loader exists when
-    `training_data` is given, the scheduler when the config has a `scheduler` section or `lr_scheduler` is given.
-    DeepSpeed's client objects are honoured (zeroedu.client): `optimizer` (a torch Adam, AdamW or SGD, or a
-    callable that makes one from parameters) gives the optimizer's class and hyperparameters, and the state is
-    sharded as the config's optimizer would be; `lr_scheduler` (a torch scheduler over that optimizer, or a
-    callable that makes one from the engine's optimizer) is stepped by engine.step(); `model_parameters` must be
-    the model's trainable parameters (groups may repeat one set of hyperparameters). torch.distributed must be
-    initialized (zeroedu.launch or torchrun) or this process becomes a world of one.
-    """
-    from zeroedu import client
-    from zeroedu.stages import engine_class
-
-    if model is None:
-        raise TypeError("zeroedu.initialize needs model=: the torch.nn.Module to train.")
-    if mpu is not None:
-        raise ValueError("initialize(mpu=...) describes model parallelism (Megatron's groups), which zeroedu does not "
-                         "implement: every rank here is one data-parallel rank. Remove mpu=.")
-    config = client.config_source(config, config_params, args)
-    cfg = load_config(config)
-    cfg = client.with_client_optimizer(cfg, model, optimizer, model_parameters)
-    if not dist.is_initialized():
-        from zeroedu.launch import init_distributed
-
-        init_distributed()
-    engine = engine_class(cfg)(model, cfg)
-    if lr_scheduler is not None:
-        engine.lr_scheduler = client.wrap_scheduler(lr_scheduler, optimizer, engine.optimizer)
-    loader = client.data_loader(training_data, engine, collate_fn) if training_data is not None else None
-    return engine, engine.optimizer, loader, engine.lr_scheduler
-
 
 TIMELINE_KEEP = 5_000   # phases kept: thousands of steps for plots; a long run's memory stays flat
 
@@ -92,10 +54,32 @@ def make_optimizer(cfg: Config, params: list[torch.Tensor]) -> torch.optim.Optim
 
 
 class Engine:
-    """What a training step is at every stage. Subclasses fill in where the bytes live."""
+    """What a training step is at every stage. Subclasses fill in where the bytes live.
+
+    The protocol: the hooks below are what a stage (zeroedu/stages/) and an extra (offload, ZeRO++, checkpoints,
+    the grader's adapters) override or call; each says its contract in its docstring. An extra uses these and
+    public attributes only, never a `_name` of the engine or a stage (tests/test_protocol.py checks it).
+
+    set up      setup() = make_layout() (buckets or units) + place_parameters() (where each rank's parameters
+                live), then the gradient buffers and the master pieces
+    backward    before_backward(); on_grad_ready(param) per parameter, whose bucket, once complete, gets
+                post_backward(bucket) -> reduce_bucket(bucket), which reduces into grad_out(bucket);
+                after_backward(). Stage 2's buffers go through take_bucket_buffer, move_grads and
+                reduce_scatter_buckets; stage 3's units through fetch / release, start_gathers, unit_buffer,
+                and param_piece (what a rank sends when a unit is gathered)
+    overlap     overlap(fn) runs collectives on the comm thread when overlap_comm is set; wait() waits for them
+    step        grad_pieces() -> optimizer_step(grads, coef) -> publish(), which puts each new master piece
+                in its param_home(bucket) by write_back(bucket, master) and gathers; then zero_grads()
+    build_optimizer() makes the optimizer over master_pieces (offload: on the host)
+    attributes  stage, sharded, partitions_grads (extras ask these, not the stage number), layout,
+                master_pieces, grad_shard, param_shard; stage 3: gathered, inflight, unit_buffers, persistent
+    memory      owned() by category (tier_bytes() for other tiers)
+    checkpoints master_full(), checkpoint_master(), checkpoint_optimizer_state(), restore_checkpoint()
+    """
 
     stage = -1
     sharded = False      # does each rank own only part of the optimizer state (stages 1-3)?
+    partitions_grads = False   # stages 2-3: no full gradient buffer; every micro-step reduces into the shard
 
     def __init__(self, model: torch.nn.Module, config: Config, comm: Comm | None = None) -> None:
         self.module = model
@@ -114,7 +98,7 @@ class Engine:
         # train_batch_size = micro x accumulation x world size: derived (or checked) now that the world is known.
         self.config = config = config.for_world(self.world_size)
         self.accum = config.gradient_accumulation_steps
-        self.overlap = config.zero_optimization.overlap_comm
+        self.overlap_comm = config.zero_optimization.overlap_comm
         self.micro_step = 0
         self.global_step = 0
         self.skipped_steps = 0
@@ -123,7 +107,7 @@ class Engine:
         self.last_peak: PeakTracker | None = None
         self.last_activations: SavedActivations | None = None   # what the last tracked forward saved for backward
         self._tracker: PeakTracker | None = None
-        self._handles: list = []
+        self._handles: list = []           # overlap(): jobs on the comm thread that wait() waits for
         self.log_lines: list[str] = []     # what rank 0 printed (steps_per_print, breakdowns, notes), on every rank
         self._loss_sum: torch.Tensor | None = None
         self.last_loss: float | None = None
@@ -174,23 +158,70 @@ class Engine:
     master_pieces: list[torch.nn.Parameter]
 
     def setup(self) -> None:
+        """Called once from __init__, after the initial broadcast: make_layout(), then place_parameters(); the
+        stages add the gradient buffers, the master pieces and the autograd hooks after these (stage 3: its
+        forward hooks too). Sets `layout` and `master_pieces`."""
+        self.make_layout()
+        self.place_parameters()
+
+    def make_layout(self) -> None:
+        """Cut the parameters into buckets (stage 3: units) and set `self.layout` (zeroedu.flat.FlatLayout)."""
+        raise NotImplementedError
+
+    def place_parameters(self) -> None:
+        """Put this rank's parameters where the stage keeps them (flat buffers; stage 3: this rank's shard)."""
         raise NotImplementedError
 
     def before_backward(self) -> None:
-        pass
+        """A backward is about to start (every micro-step)."""
+
+    def on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        """Autograd's post-accumulate-grad hook: param.grad is complete for this backward. Runs during backward,
+        once per parameter that got a gradient; the stage counts them and calls post_backward(bucket) when its
+        bucket is complete."""
+
+    def post_backward(self, b) -> None:
+        """Bucket (stage 3: unit) b has all its gradients in this backward: its backward is over. The stages
+        call it once per bucket per reducing backward, in the same order on every rank; stage 3 releases the
+        unit here. Default: reduce_bucket(b)."""
+        self.reduce_bucket(b)
+
+    def reduce_bucket(self, b) -> None:
+        """Reduce bucket b's gradients over the ranks into grad_out(b) (or, at stage 0, in place). May run the
+        collective through overlap(); Engine.backward waits for every one before it returns."""
+        raise NotImplementedError
+
+    def grad_out(self, b) -> torch.Tensor:
+        """Where bucket b's reduced piece lands (stages 1-3: this rank's piece of the gradient shard). The
+        reduction adds into it at stages 2-3 (micro-steps accumulate). Offload: a device staging piece."""
+        raise NotImplementedError
 
     def after_backward(self) -> None:
-        pass
+        """Backward is over (the overlapped collectives may still run: backward() waits for them next)."""
 
     def grad_pieces(self) -> list[torch.Tensor]:
         """Reduced gradients (compute dtype, summed over ranks / micro-steps), aligned with master_pieces."""
         raise NotImplementedError
 
+    def param_home(self, b) -> torch.Tensor:
+        """Where master piece b's values live in the compute parameters on the device, in the compute dtype
+        (stage 0: the whole bucket; 1-2: this rank's piece of it; 3: its piece of the parameter shard)."""
+        raise NotImplementedError
+
+    def write_back(self, b, master: torch.Tensor) -> None:
+        """Put the updated fp32 master piece b into param_home(b), cast to the compute dtype (nothing to do where
+        they are one tensor, fp32). Offload overrides it to move the piece between tiers."""
+        home = self.param_home(b)
+        if master.data_ptr() != home.data_ptr():
+            home.copy_(master)
+
     def publish(self) -> None:
-        """After the optimizer step: put the new master weights back into the compute parameters."""
+        """After the optimizer step: write_back every master piece, then give every rank the new parameters
+        (stages 1-3: all-gathers). Runs only when the step was taken (not on fp16 overflow)."""
         raise NotImplementedError
 
     def zero_grads(self) -> None:
+        """After every optimizer step (taken or skipped): the next step starts from zero gradients."""
         raise NotImplementedError
 
     def owned(self) -> dict[str, list[torch.Tensor]]:
@@ -297,7 +328,8 @@ class Engine:
         return math.sqrt(float(norm_sq.sum())) / self.scaler.scale
 
     def optimizer_step(self, grads: list[torch.Tensor], coef: float) -> None:
-        """Step the master pieces with grads x coef (unscale and clip in one factor). Offload overrides it.
+        """Step the master pieces with grads x coef (unscale and clip in one factor); grads is grad_pieces().
+        Leaves master_pieces updated; publish() follows. Offload overrides it to step on the host.
 
         `sub_group_size`: the pieces are stepped in sub-groups of at most that many elements, one after another
         (a piece is never split), so the fp32 copies of the gradient exist for one sub-group at a time. torch's
@@ -371,14 +403,19 @@ class Engine:
         return text
 
     # -- overlap -----------------------------------------------------------------------------------------
-    def launch(self, fn) -> None:
-        """Run collectives (in a closure) on the comm thread if overlap_comm, else now."""
-        if self.overlap:
-            self._handles.append(self.comm.run_async(fn))
-        else:
+    def overlap(self, fn: Callable[[], None]) -> Handle | None:
+        """Run fn (collectives, and the work that belongs with them) on the comm thread when overlap_comm is set,
+        so that backward or the step goes on meanwhile, and return its handle; wait() waits for it. Without
+        overlap_comm, run fn now and return None. Jobs run one after another in the order they were given."""
+        if not self.overlap_comm:
             fn()
+            return None
+        handle = self.comm.run_async(fn)
+        self._handles.append(handle)
+        return handle
 
     def wait(self) -> None:
+        """Wait for every job overlap() started (backward and step call it before they return)."""
         handles, self._handles = self._handles, []
         for h in handles:
             h.wait()
@@ -430,6 +467,23 @@ class Engine:
     def master_full(self) -> torch.Tensor:
         """The fp32 master weights of the whole model as one flat tensor in layout order (every rank)."""
         raise NotImplementedError
+
+    def checkpoint_master(self) -> list[torch.Tensor]:
+        """This rank's fp32 master pieces, aligned with master_pieces, as a checkpoint saves them (zeroedu.checkpoint;
+        offload reads them from NVMe)."""
+        return [p.data for p in self.master_pieces]
+
+    def checkpoint_optimizer_state(self) -> list[dict]:
+        """The optimizer state of each master piece ({} before the first step), as a checkpoint saves it."""
+        return [dict(self.optimizer.state.get(p, {})) for p in self.master_pieces]
+
+    def restore_checkpoint(self, master: list[torch.Tensor], state: list[dict] | None) -> None:
+        """Load master pieces (and optimizer state, unless None) from a checkpoint; the caller publishes next."""
+        for piece, t in zip(self.master_pieces, master, strict=True):
+            piece.data.copy_(t)          # in fp32 the master pieces are the parameters themselves
+        if state is not None:
+            for piece, s in zip(self.master_pieces, state, strict=True):
+                self.optimizer.state[piece] = s
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """{parameter name: fp32 CPU tensor}, the whole model, gathered if it is sharded."""

@@ -270,7 +270,7 @@ def host_optimizer(cfg, params: list[torch.nn.Parameter], impl: str | None = Non
 # -- the engine ----------------------------------------------------------------------------------------------------
 
 class OffloadMixin:
-    """offload_optimizer (stages 1-3) and offload_param (stage 3), layered on a stage by stages.engine_class."""
+    """offload_optimizer (stages 1-3) and offload_param (stage 3), layered on a stage by compose.engine_class."""
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         if self.opt_tier != "none":   # the step runs on the host: the fastest CPU implementation
@@ -285,7 +285,7 @@ class OffloadMixin:
         self.global_rank = dist.get_rank()
         self.adam_timeline: list[tuple[str, float, float]] = []   # (what, start, end) of host optimizer work
         self.nvme_removed: list[str] = []                          # stale swap folders this run deleted
-        self._written_back = False       # has this step's update already reached the compute parameters?
+        self.written_back = False        # has this step's update already reached the compute parameters?
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._copies: list[tuple] = []   # CUDA copies in flight: (ledger entry, start event, end event, src, dst)
         self._lock = threading.Lock()
@@ -317,7 +317,7 @@ class OffloadMixin:
         if oc.device == "cpu":
             self.host_master = torch.empty(n, dtype=torch.float32, pin_memory=self._pin_opt)
             for b, m in zip(buckets, device_masters, strict=True):
-                self._copy(self.layout.piece_of_shard(self.host_master, b), m, "d2h", sync=True)
+                self.transfer(self.layout.piece_of_shard(self.host_master, b), m, "d2h", sync=True)
             pieces = [self.layout.piece_of_shard(self.host_master, b) for b in buckets]
         else:
             self.host_master = None
@@ -327,7 +327,7 @@ class OffloadMixin:
             self.state_files: dict[str, SwapFile] = {}
             for b, m in zip(buckets, device_masters, strict=True):
                 host = torch.empty(b.piece, dtype=torch.float32)
-                self._copy(host, m, "d2h", sync=True)   # CUDA: done before the file write reads it
+                self.transfer(host, m, "d2h", sync=True)   # CUDA: done before the file write reads it
                 self._file_io("h2nvme", self.master_file, b.shard_start, host)
             # Expected state files are created (and their space reserved) now; others appear on first use.
             per = _state_bytes_per_element(self.config) // 4
@@ -346,7 +346,7 @@ class OffloadMixin:
         # The reduced gradient shard lives on the host; the stage's device shard (stages 2-3) goes away.
         self.host_grads = torch.zeros(n, dtype=self.dtype, pin_memory=self._pin_opt)
         self._grad_tmp = None        # stages 2-3: where a reduced piece lands before it is added to the shard
-        if self.stage >= 2:
+        if self.partitions_grads:
             self._grad_tmp = torch.empty(self.max_piece, dtype=self.dtype, pin_memory=self._pin_opt)
             self.grad_shard = self.host_grads
 
@@ -355,7 +355,7 @@ class OffloadMixin:
         device_shard = self.param_shard
         if oc.device == "cpu":
             self.param_host, self.param_file = torch.empty(n, dtype=self.dtype, pin_memory=self._pin_param), None
-            self._copy(self.param_host, device_shard, "d2h", sync=True)
+            self.transfer(self.param_host, device_shard, "d2h", sync=True)
         else:
             self.param_host = None
             itemsize = device_shard.element_size()
@@ -370,7 +370,7 @@ class OffloadMixin:
             for b in self.layout.buckets:
                 buf = self._param_pool.get()
                 host = buf[: b.piece]
-                self._copy(host, self.layout.piece_of_shard(device_shard, b), "d2h", sync=True)
+                self.transfer(host, self.layout.piece_of_shard(device_shard, b), "d2h", sync=True)
                 self._file_io("h2nvme", self.param_file, b.shard_start, host)
                 self._param_pool.put(buf)
         # The device keeps no parameter shard, only the units it gathers (and the persistent ones). In fp32
@@ -388,10 +388,10 @@ class OffloadMixin:
         self.comm.ledger.append(entry)
         return entry
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, op: str, phase: str | None = None,
+    def transfer(self, dst: torch.Tensor, src: torch.Tensor, op: str, phase: str | None = None,
               step: int | None = None, sync: bool = False) -> None:
         """dst.copy_(src) between device and host, recorded. CUDA: on the side stream, returns before it is done
-        unless sync (call _sync_copies before reading dst). CPU: the device is the host, a memcpy."""
+        unless sync (call sync_transfers before reading dst). CPU: the device is the host, a memcpy."""
         nbytes = src.numel() * src.element_size()
         wall0, t0 = time.time(), time.perf_counter()
         if self._stream is None:
@@ -410,7 +410,7 @@ class OffloadMixin:
         if sync:
             end.synchronize()
 
-    def _sync_copies(self) -> None:
+    def sync_transfers(self) -> None:
         if self._stream is None:
             return
         self._stream.synchronize()
@@ -434,7 +434,7 @@ class OffloadMixin:
     # -- backward: gradients stream to the host as their buckets are reduced ----------------------------------------
     def before_backward(self) -> None:
         super().before_backward()
-        if self.opt_tier != "none" and self.stage == 1 and self.grad_shard is not None:
+        if self.opt_tier != "none" and not self.partitions_grads and self.grad_shard is not None:
             self.grad_shard = self.host_grads   # stage 1 makes a fresh shard at the boundary; ours persists
 
     def grad_out(self, b: Bucket) -> torch.Tensor:
@@ -458,15 +458,17 @@ class OffloadMixin:
         phase, step = self.comm.phase, self.global_step
         for i, staging in staged.items():
             b = self.layout.buckets[i]
-            self.launch(lambda b=b, staging=staging: self._grad_to_host(b, staging, phase, step))
+            self.overlap(lambda b=b, staging=staging: self.grad_to_host(b, staging, phase, step))
 
-    def _grad_to_host(self, b: Bucket, staging: torch.Tensor, phase: str, step: int) -> None:
+    def grad_to_host(self, b: Bucket, staging: torch.Tensor, phase: str, step: int) -> None:
+        """Bucket b's reduced piece (`staging`, on the device) into the host gradient shard; on the comm thread,
+        behind the reduction, with the phase and step it was queued in."""
         out = self.layout.piece_of_shard(self.host_grads, b)
-        if self.stage == 1:   # reduced once per step: the copy is the gradient
-            self._copy(out, staging, "d2h", phase, step, sync=True)
+        if not self.partitions_grads:   # stage 1 reduces once per step: the copy is the gradient
+            self.transfer(out, staging, "d2h", phase, step, sync=True)
             return
         tmp = self._grad_tmp[: b.piece]   # stages 2-3 reduce every micro-step: accumulate on the host
-        self._copy(tmp, staging, "d2h", phase, step, sync=True)
+        self.transfer(tmp, staging, "d2h", phase, step, sync=True)
         out.add_(tmp)
 
     # -- the step, on the host ------------------------------------------------------------------------------------
@@ -475,19 +477,23 @@ class OffloadMixin:
             super().optimizer_step(grads, coef)
             return
         if self.opt_tier == "cpu":
-            t0 = time.time()
-            for master, g in zip(self.master_pieces, grads, strict=True):
-                master.grad = self._scaled(g, coef)
-            self.optimizer.step()
-            for master in self.master_pieces:
-                master.grad = None
-            self.adam_timeline.append(("adam", t0, time.time()))
-            trim_timeline(self.adam_timeline)
+            self.host_step(grads, coef)
             for b, master in zip(self.layout.buckets, self.master_pieces, strict=True):
-                self._write_back(b, master.detach())
+                self.write_back(b, master.detach())
         else:
-            self._nvme_step(grads, coef)
-        self._written_back = True
+            self._nvme_step(grads, coef)   # sub-group by sub-group, each written back as soon as it is stepped
+        self.written_back = True
+
+    def host_step(self, grads: list[torch.Tensor], coef: float) -> None:
+        """offload_optimizer cpu: one optimizer step of every host master piece with grads x coef."""
+        t0 = time.time()
+        for master, g in zip(self.master_pieces, grads, strict=True):
+            master.grad = self._scaled(g, coef)
+        self.optimizer.step()
+        for master in self.master_pieces:
+            master.grad = None
+        self.adam_timeline.append(("adam", t0, time.time()))
+        trim_timeline(self.adam_timeline)
 
     @staticmethod
     def _scaled(g: torch.Tensor, coef: float) -> torch.Tensor:
@@ -522,7 +528,7 @@ class OffloadMixin:
             master.grad = None
             self.adam_timeline.append(("adam", t0, time.time()))
             trim_timeline(self.adam_timeline)
-            self._write_back(b, master.detach())   # copied or cast out of the buffer before its next read
+            self.write_back(b, master.detach())   # copied or cast out of the buffer before its next read
             writes.append(self._io.submit(self._swap_out, i, self.global_step))
         for w in writes:
             w.result()
@@ -563,37 +569,35 @@ class OffloadMixin:
         self.master_file.read(b.shard_start, out)
         return out
 
-    def _device_piece(self, b: Bucket) -> torch.Tensor:
-        """This rank's piece of bucket b in the device's compute parameters (what the all-gather sends)."""
-        if self.stage == 3:
-            return self.layout.piece_of_shard(self.param_shard, b)
-        return self.param_shard_views[b.index]
-
-    def _write_back(self, b: Bucket, master: torch.Tensor) -> None:
-        """The updated fp32 master piece to the compute parameters' home, in the compute dtype.
+    def write_back(self, b: Bucket, master: torch.Tensor) -> None:
+        """The updated fp32 master piece to the compute parameters' home (param_home, or its host or NVMe copy
+        with offload_param), in the compute dtype. Nothing to do once this step's update is there
+        (`written_back`): the stage's publish calls it again for every piece.
 
         The cast happens where the master is, so bf16 halves the bytes on the bus. `master` may be an NVMe
         sub-group buffer that the next read overwrites: everything here copies out of it before returning
         (a CUDA copy from it is made from a fresh cast or copy, which the copy keeps alive).
         """
+        if self.written_back:
+            return
         on_device = self.opt_tier == "none"   # offload_param alone: the step ran on the device
         if self.param_tier == "none":
             if self._stream is None:   # a synchronous memcpy reads the master (or its cast) right away
                 value = master.to(self.dtype)
             else:                      # an asynchronous copy needs a source of its own, pinned to be asynchronous
                 value = torch.empty(b.piece, dtype=self.dtype, pin_memory=self._pin_opt).copy_(master)
-            self._copy(self._device_piece(b), value, "h2d")
+            self.transfer(self.param_home(b), value, "h2d")
         elif self.param_tier == "cpu":
             dst = self.layout.piece_of_shard(self.param_host, b)
             if on_device:
-                self._copy(dst, master.to(self.dtype), "d2h", sync=True)
+                self.transfer(dst, master.to(self.dtype), "d2h", sync=True)
             else:
                 dst.copy_(master)    # host to host: no bus crossed
         else:
             buf = self._param_pool.get()   # waits while every buffer has a write in flight
             host = buf[: b.piece]
             if on_device:
-                self._copy(host, master.to(self.dtype), "d2h", sync=True)
+                self.transfer(host, master.to(self.dtype), "d2h", sync=True)
             else:
                 host.copy_(master)
             phase, step = self.comm.phase, self.global_step
@@ -607,27 +611,16 @@ class OffloadMixin:
             self._io_pending.append(self._io.submit(write))
 
     def publish(self) -> None:
-        if not self._written_back:   # a checkpoint load, or offload_param alone (the step ran on the device)
+        if not self.written_back:   # a checkpoint load, or offload_param alone (the step ran on the device)
             for i, b in enumerate(self.layout.buckets):
-                self._write_back(b, self._master_value(i))
-        self._written_back = False
-        self._sync_copies()
+                self.write_back(b, self._master_value(i))
+            self.written_back = True
+        self.sync_transfers()
         self._wait_io()
-        if self.param_tier != "none":   # only the persistent units are whole on the device: gathered as Stage3 does
-            kept = [b for b in self.layout.buckets if b.index in self.persistent]
-            for group in ([kept] if getattr(self, "coalesce", False) and kept else [[b] for b in kept]):
-                self.comm.all_gather_coalesced([self.gathered[b.index] for b in group],
-                                               [self.param_piece(b) for b in group])
-            if getattr(self, "hpz", False):   # what ZeroPPMixin.publish does: hpZ's secondary copy is stale now
-                self._secondary_fresh.clear()
-            return
-        # The stage's publish copies master -> compute piece unless they are one tensor, then all-gathers.
-        # The new values are on the device already, so it sees the device pieces as the masters.
-        masters, self.master_pieces = self.master_pieces, [self._device_piece(b) for b in self.layout.buckets]
-        try:
+        try:   # the stage's publish: its write_back finds every piece home, then it gathers through param_piece
             super().publish()
         finally:
-            self.master_pieces = masters
+            self.written_back = False
 
     # -- parameter offload (stage 3): to the device just before the gather ------------------------------------------
     def param_piece(self, b: Bucket) -> torch.Tensor:
@@ -637,13 +630,13 @@ class OffloadMixin:
             return super().param_piece(b)
         piece = torch.empty(b.piece, dtype=self.dtype, device=self.device)
         if self.param_file is None:
-            self._copy(piece, self.layout.piece_of_shard(self.param_host, b), "h2d", sync=True)
+            self.transfer(piece, self.layout.piece_of_shard(self.param_host, b), "h2d", sync=True)
             return piece
         buf = self._param_pool.get()
         try:
             host = buf[: b.piece]
             self._file_io("nvme2h", self.param_file, b.shard_start, host)
-            self._copy(piece, host, "h2d", sync=True)
+            self.transfer(piece, host, "h2d", sync=True)
         finally:
             self._param_pool.put(buf)
         return piece
@@ -735,7 +728,7 @@ class OffloadMixin:
                         self.state_files[name].write(b.shard_start, v.float())
                         s[name] = torch.empty(0)
             self.optimizer.state[piece] = s
-        self._written_back = False   # the caller's publish() brings the loaded weights to the parameters
+        self.written_back = False   # the caller's publish() brings the loaded weights to the parameters
 
     def close(self) -> None:
         """Finish NVMe I/O and delete this rank's swap folders (interpreter exit does it too, if not done)."""

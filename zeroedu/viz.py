@@ -269,7 +269,7 @@ def timeline_data(engine, since: float | None = None, step: int | None = None) -
     comm = [(e.op, e.kind, e.phase, e.start, e.seconds, e.sent_bytes) for e in engine.ledger
             if e.op not in ("skipped_step",) and (since is None or e.start >= since)
             and (step is None or e.step == step)]
-    return {"rank": engine.rank, "compute": compute, "comm": comm, "overlap": bool(engine.overlap)}
+    return {"rank": engine.rank, "compute": compute, "comm": comm, "overlap": bool(engine.overlap_comm)}
 
 
 def backward_segments(start: float, end: float, comm: Sequence[Sequence], overlap: bool

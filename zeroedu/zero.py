@@ -142,9 +142,9 @@ class _EngineUnit:
             with e.comm.in_phase(PHASE):
                 e.comm.broadcast(full, modifier_rank, kind="params")
             mine = full[e.rank * b.piece: (e.rank + 1) * b.piece]
-            e.layout.piece_of_shard(e.param_shard, b).copy_(mine)
+            e.param_home(b).copy_(mine)
             master = e.master_pieces[self.index]
-            if master.data_ptr() != e.layout.piece_of_shard(e.param_shard, b).data_ptr():
+            if master.data_ptr() != e.param_home(b).data_ptr():
                 master.data.copy_(mine)
         e.release(self.index)
 

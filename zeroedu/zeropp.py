@@ -118,13 +118,26 @@ def unpack(payload: torch.Tensor, n: int, bits: int, block: int) -> tuple[torch.
     return codes, scale_bytes.view(torch.float32)
 
 
-def compress(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
+class BlockQuantizer:
+    """The quantizer an engine's qwZ and qgZ use (`ZeroPPMixin.quantizer`): `quantize` and `dequantize` above.
+    Another object with these two methods (an exercise's, an instrumented one) can take its place on an engine
+    class, without touching this module."""
+
+    def quantize(self, x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize(x, bits, block)
+
+    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+        return dequantize(codes, scales, block)
+
+
+def compress(x: torch.Tensor, bits: int, block: int, quantizer: BlockQuantizer | None = None) -> torch.Tensor:
     """x (rows along the first dimensions) as uint8 messages of payload_bytes(x.shape[-1], bits, block)."""
-    return pack(*quantize(x, bits, block), bits)
+    return pack(*(quantizer or BlockQuantizer()).quantize(x, bits, block), bits)
 
 
-def decompress(payload: torch.Tensor, n: int, bits: int, block: int) -> torch.Tensor:
-    return dequantize(*unpack(payload, n, bits, block), block)
+def decompress(payload: torch.Tensor, n: int, bits: int, block: int,
+               quantizer: BlockQuantizer | None = None) -> torch.Tensor:
+    return (quantizer or BlockQuantizer()).dequantize(*unpack(payload, n, bits, block), block)
 
 
 # -- where the bytes go ----------------------------------------------------------------------------------------
@@ -192,7 +205,12 @@ def where_bytes_go(ledgers: list[Ledger], node_size: int, step: int | None = Non
 # -- the engine ----------------------------------------------------------------------------------------------
 
 class ZeroPPMixin:
-    """qwZ, hpZ and qgZ on top of Stage3 (composed by zeroedu.stages.engine_class)."""
+    """qwZ, hpZ and qgZ on top of Stage3 (composed by zeroedu.compose.engine_class).
+
+    It overrides three hooks of stage 3: start_gathers (where a unit's gather comes from), reduce_scatter_buckets
+    (qgZ's collective) and publish (hpZ's secondary copy goes stale)."""
+
+    quantizer: BlockQuantizer = BlockQuantizer()   # qwZ's and qgZ's block quantizer (a subclass may set another)
 
     def setup(self) -> None:
         super().setup()
@@ -261,16 +279,13 @@ class ZeroPPMixin:
         if self.hpz:   # the world gathers below refresh these before any later job reads them
             self._secondary_fresh.update(b.index for b in from_world)
         for node, group in ((True, from_node), (False, from_world)):
-            for part in ([group] if getattr(self, "coalesce", False) else [[b] for b in group]):
+            for part in ([group] if self.coalesce else [[b] for b in group]):
                 if not part:
                     continue
-                bufs = [self._buffer(b) for b in part]   # each unit's own buffer: autograd's saved views use it
+                bufs = [self.unit_buffer(b) for b in part]   # each unit's own buffer: autograd's saved views use it
                 handle = self.comm.run_async(lambda part=part, bufs=bufs, node=node: self._gather(part, bufs, node))
                 for b, buf in zip(part, bufs, strict=True):
                     self.inflight[b.index] = (handle, buf)
-
-    def _start_gather(self, b: Bucket) -> None:
-        self.start_gathers([b])
 
     def _gather(self, units: list[Bucket], bufs: list[torch.Tensor], from_node: bool) -> None:
         """On the comm thread: fill the units' buffers."""
@@ -289,33 +304,25 @@ class ZeroPPMixin:
     def _quantized_all_gather(self, bufs: list[torch.Tensor], pieces: list[torch.Tensor]) -> None:
         """All-gather int8 blocks and their scales, every unit's in one message per rank; every rank decodes
         all of them (its own piece included, so that every rank computes with the same weights)."""
-        payloads = [compress(p, self.weight_bits, self.weight_block) for p in pieces]
+        payloads = [compress(p, self.weight_bits, self.weight_block, self.quantizer) for p in pieces]
         mine = torch.cat(payloads)
         rows = torch.empty(self.world_size, mine.numel(), dtype=torch.uint8, device=mine.device)
         self.comm.all_gather(rows.view(-1), mine, kind="params")
         start = 0
         for buf, piece, payload in zip(bufs, pieces, payloads, strict=True):
             arrived = rows[:, start: start + payload.numel()].contiguous()
-            buf.copy_(decompress(arrived, piece.numel(), self.weight_bits, self.weight_block).reshape(-1))
+            buf.copy_(decompress(arrived, piece.numel(), self.weight_bits, self.weight_block,
+                                  self.quantizer).reshape(-1))
             start += payload.numel()
 
     # -- gradients: qgZ ---------------------------------------------------------------------------------------
-    def reduce_to_shard(self, buckets: list[Bucket], bufs: list[torch.Tensor], i: int) -> None:
-        """The stage's gradient reduction (one bucket, or the units waiting in one), with qgZ as the collective."""
+    def reduce_scatter_buckets(self, bufs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        """qgZ: the stage's gradient reduce-scatter as two quantized all-to-alls (quantized_reduce_scatter)."""
         if not self.qgz:
-            super().reduce_to_shard(buckets, bufs, i)
+            super().reduce_scatter_buckets(bufs, outs)
             return
-        outs = [self.grad_out(b) for b in buckets]
-
-        def job() -> None:
-            for out, avg in zip(outs, self.quantized_reduce_scatter(bufs), strict=True):
-                out.add_(avg.to(out.dtype))     # micro-steps accumulate in the shard
-
-        if self.overlap:
-            self._buffer_jobs[i] = self.comm.run_async(job)
-            self._handles.append(self._buffer_jobs[i])
-        else:
-            job()
+        for out, avg in zip(outs, self.quantized_reduce_scatter(bufs), strict=True):
+            out.add_(avg.to(out.dtype))     # micro-steps accumulate in the shard
 
     def quantized_reduce_scatter(self, bufs: list[torch.Tensor]) -> list[torch.Tensor]:
         """For each buffer, the average over ranks of this rank's piece of it (fp32), by two quantized
@@ -342,7 +349,7 @@ class ZeroPPMixin:
         each tensor, the fp32 sum of the rows that arrive."""
         if comm.world_size == 1:
             return [r[0].float() for r in rows]
-        payloads = [compress(r, self.grad_bits, self.grad_block) for r in rows]
+        payloads = [compress(r, self.grad_bits, self.grad_block, self.quantizer) for r in rows]
         payload = torch.cat(payloads, dim=1)
         arrived = torch.empty_like(payload)
         comm.all_to_all(arrived.view(-1), payload.reshape(-1), kind="grads")
@@ -350,7 +357,7 @@ class ZeroPPMixin:
         for r, p in zip(rows, payloads, strict=True):
             width = p.shape[1]
             out.append(decompress(arrived[:, start: start + width].contiguous(), r.shape[-1], self.grad_bits,
-                                  self.grad_block).sum(dim=0))
+                                  self.grad_block, self.quantizer).sum(dim=0))
             start += width
         return out
 

@@ -79,7 +79,7 @@ def _itemsize(dtype: str) -> int:
 class HookedStage0(Stage0):
     """Stage 0 whose buckets are all-reduced when the learner's hook object says so.
 
-    The stage registers its own post-accumulate-grad hook on every parameter (Stage0._grad_ready); here that hook
+    The stage registers its own post-accumulate-grad hook on every parameter (Stage0.on_grad_ready); here that hook
     only notes the gradient's arrival, so the learner's hooks, registered after it, decide when each bucket is
     reduced. `reduce(i)` is the stage's own all-reduce of bucket i.
     """
@@ -93,7 +93,8 @@ class HookedStage0(Stage0):
         buckets = [[self.index[p] for p in b.params] for b in self.layout.buckets]
         self.hooks = self.hooks_cls(list(self.layout.params), buckets, self._reduce)
 
-    def _grad_ready(self, p: torch.nn.Parameter) -> None:
+    def on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        """Only noted: the learner's hooks decide when a bucket is reduced."""
         self.events.append(("grad", self.index[p]))
 
     def before_backward(self) -> None:
@@ -562,32 +563,29 @@ QWZ_BLOCK = 64
 every unit's piece then spans several blocks and most end in a shorter one."""
 
 
-def _patch_quantizer(quantize: Callable | None, dequantize: Callable | None) -> None:
-    """In this rank: make zeroedu.zeropp's int8 weight path call the learner's functions (None: the engine's)."""
-    from zeroedu import zeropp
+class _LearnerQuantizer:
+    """zeroedu.zeropp's quantizer with the learner's functions for qwZ's int8 weights (qgZ's int4 gradients keep the
+    engine's), counting the calls."""
 
-    originals = zeropp.__dict__.setdefault("_zeroedu_originals", (zeropp.quantize, zeropp.dequantize))
-    if quantize is None:
-        zeropp.quantize, zeropp.dequantize = originals
-        return
-    q0, d0 = originals
+    def __init__(self, quantize: Callable, dequantize: Callable) -> None:
+        from zeroedu import zeropp
 
-    def q(x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.quantize_blocks, self.dequantize_blocks, self.engine = quantize, dequantize, zeropp.BlockQuantizer()
+
+    def quantize(self, x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         if bits != 8:
-            return q0(x, bits, block)
+            return self.engine.quantize(x, bits, block)
         QUANT_CALLS["quantize"] += 1
-        codes, scales = quantize(x, block)
+        codes, scales = self.quantize_blocks(x, block)
         if codes.dtype != torch.int8 or scales.dtype != torch.float32 or codes.shape != x.shape:
             raise TypeError(f"quantize_blocks returned codes {codes.dtype}{list(codes.shape)} and scales "
                             f"{scales.dtype}{list(scales.shape)} for an input of shape {list(x.shape)}; return int8 "
                             "codes shaped like the input and float32 scales")
         return codes, scales
 
-    def d(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
         QUANT_CALLS["dequantize"] += 1
-        return dequantize(codes, scales, block)
-
-    zeropp.quantize, zeropp.dequantize = q, d
+        return self.dequantize_blocks(codes, scales, block)
 
 
 def _qwz_engine(quantize: Callable, dequantize: Callable) -> Callable[[Case], type]:
@@ -596,15 +594,14 @@ def _qwz_engine(quantize: Callable, dequantize: Callable) -> Callable[[Case], ty
 
 def _qwz_class(quantize: Callable, dequantize: Callable, case: Case) -> type:
     from zeroedu import zeropp
+    from zeroedu.compose import engine_class
     from zeroedu.config import load_config
-    from zeroedu.stages import engine_class
 
     zeropp.WEIGHT_BITS, zeropp.WEIGHT_BLOCK = 8, QWZ_BLOCK   # read by the engine when it is built
-    if case.engine == "yours":
-        _patch_quantizer(quantize, dequantize)
-    else:
-        _patch_quantizer(None, None)
-    return engine_class(load_config(case.config(3)))
+    base = engine_class(load_config(case.config(3)))
+    if case.engine != "yours":
+        return base
+    return type(f"{base.__name__}WithYourQuantizer", (base,), {"quantizer": _LearnerQuantizer(quantize, dequantize)})
 
 
 def _quant_calls(engine: Any, case: Case) -> dict:
@@ -626,7 +623,7 @@ class QwzRun(Stage3Run):
             calls = self.ranks[i][0]["quant_calls"]
             if not calls["quantize"] or not calls["dequantize"]:
                 raise AssertionError(f"{case.name}: your functions were never called (the engine no longer calls "
-                                     "zeropp.quantize: zeroedu.grading.engines needs updating).")
+                                     "its quantizer: zeroedu.grading.engines needs updating).")
             mine = [sum(r["losses"][s] for r in self.ranks[i]) / case.world_size for s in range(case.steps)]
             theirs = [sum(r["losses"][s] for r in self.ranks[j]) / case.world_size for s in range(case.steps)]
             for step, (a, b, c) in enumerate(zip(mine, theirs, self.refs[i]["losses"], strict=True)):
@@ -688,9 +685,24 @@ def _offload_engine(grad_to_host: Callable, host_step: Callable, params_to_devic
     return functools.partial(_offload_class, grad_to_host, host_step, params_to_device)
 
 
+class _RecordingOptimizer:
+    """The engine's optimizer as the learner's host_step sees it: step() notes the .grad of every master piece
+    (what the optimizer steps with), then steps."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, masters: list, stepped: list) -> None:
+        self.optimizer, self.masters, self.stepped = optimizer, masters, stepped
+
+    def step(self, *args, **kwargs):
+        self.stepped.append([m.grad.detach().clone() if m.grad is not None else None for m in self.masters])
+        return self.optimizer.step(*args, **kwargs)
+
+    def __getattr__(self, name: str):   # param_groups, state, zero_grad: the engine's optimizer's
+        return getattr(self.optimizer, name)
+
+
 def _offload_class(grad_to_host: Callable, host_step: Callable, params_to_device: Callable, case: Case) -> type:
+    from zeroedu.compose import engine_class
     from zeroedu.config import load_config
-    from zeroedu.stages import engine_class
 
     base = engine_class(load_config(case.config(case.zero.get("stage", 2))))
     if case.engine != "yours":
@@ -701,32 +713,23 @@ def _offload_class(grad_to_host: Callable, host_step: Callable, params_to_device
             calls = self.__dict__.setdefault("calls", {"grad_to_host": 0, "host_step": 0, "params_to_device": 0})
             calls[name] += 1
 
-        def _grad_to_host(self, b, staging, phase, step):
+        def grad_to_host(self, b, staging, phase, step):
             self._count("grad_to_host")
             out = self.layout.piece_of_shard(self.host_grads, b)
-            grad_to_host(out, staging, self.stage >= 2,
-                         lambda dst, src: self._copy(dst, src, "d2h", phase, step, sync=True))
+            grad_to_host(out, staging, self.partitions_grads,
+                         lambda dst, src: self.transfer(dst, src, "d2h", phase, step, sync=True))
 
-        def optimizer_step(self, grads, coef):
+        def host_step(self, grads, coef):
             self._count("host_step")
             stepped = self.__dict__.setdefault("stepped", [])
-            step = self.optimizer.step
+            host_step(grads, self.master_pieces, _RecordingOptimizer(self.optimizer, self.master_pieces, stepped),
+                      coef)
 
-            def recording_step(*args, **kwargs):   # what the optimizer sees: the learner's .grad
-                stepped.append([m.grad.detach().clone() if m.grad is not None else None
-                                for m in self.master_pieces])
-                return step(*args, **kwargs)
-
-            self.optimizer.step = recording_step
-            try:
-                host_step(grads, self.master_pieces, self.optimizer, coef)
-            finally:
-                del self.optimizer.step
-            for b, master in zip(self.layout.buckets, self.master_pieces, strict=True):
-                self._count("params_to_device")
-                params_to_device(self._device_piece(b), master.detach(),
-                                 lambda dst, src: self._copy(dst, src, "h2d"))
-            self._written_back = True
+        def write_back(self, b, master):
+            if self.written_back:   # the stage's publish asks again: this step's pieces are home already
+                return
+            self._count("params_to_device")
+            params_to_device(self.param_home(b), master.detach(), lambda dst, src: self.transfer(dst, src, "h2d"))
 
     base_name = base.__name__
     YourOffload.__name__ = YourOffload.__qualname__ = f"{base_name}WithYourStep"

@@ -20,18 +20,25 @@ class Stage0(Engine):
     stage = 0
 
     def setup(self) -> None:
-        self.bucket_numel = reduce_bucket_numel(self.config, self.module)   # the config's, or sized to the model
-        self.layout = FlatLayout(self.params, self.world_size, self.bucket_numel)
-        self.flat_params = self.layout.flatten([p.data for p in self.layout.params])
-        for p, view in zip(self.layout.params, self.layout.param_views(self.flat_params), strict=True):
-            p.data = view
-        self._bucket_of = {p: b for b in self.layout.buckets for p in b.params}
+        super().setup()   # make_layout, place_parameters
         self._waiting: dict[int, int] = {}
         self._reduced: set[int] = set()
         self.setup_gradients()
         self.master_pieces = [torch.nn.Parameter(t) for t in self.master_source()]
         for p in self.layout.params:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+            p.register_post_accumulate_grad_hook(self.on_grad_ready)
+
+    def make_layout(self) -> None:
+        """Buckets of reduce_bucket_size elements, in model order."""
+        self.bucket_numel = reduce_bucket_numel(self.config, self.module)   # the config's, or sized to the model
+        self.layout = FlatLayout(self.params, self.world_size, self.bucket_numel)
+        self._bucket_of = {p: b for b in self.layout.buckets for p in b.params}
+
+    def place_parameters(self) -> None:
+        """Every parameter becomes a view of one flat buffer, so a bucket is one contiguous tensor."""
+        self.flat_params = self.layout.flatten([p.data for p in self.layout.params])
+        for p, view in zip(self.layout.params, self.layout.param_views(self.flat_params), strict=True):
+            p.data = view
 
     # Where gradients live: a flat buffer whose views are the parameters' .grad, so autograd accumulates
     # straight into the buckets and micro-steps add up in place.
@@ -58,8 +65,9 @@ class Stage0(Engine):
         self._waiting = {b.index: len(b.params) for b in self.layout.buckets}
         self._reduced = set()
 
-    def _grad_ready(self, p: torch.nn.Parameter) -> None:
-        if self.grad_dtype != self.dtype and self.stage < 2:
+    def on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        """p.grad is complete: count it, and reduce its bucket once the bucket's last gradient is in."""
+        if self.grad_dtype != self.dtype and not self.partitions_grads:
             self._grad_views[p].add_(p.grad)
             p.grad = None
         if not self.reduces_this_micro_step():
@@ -68,7 +76,7 @@ class Stage0(Engine):
         self._waiting[b.index] -= 1
         if self._waiting[b.index] == 0:
             self._reduced.add(b.index)
-            self.reduce_bucket(b)
+            self.post_backward(b)
 
     def after_backward(self) -> None:
         # Buckets with a parameter that got no gradient (unused in this forward) are reduced now, in bucket
@@ -76,17 +84,19 @@ class Stage0(Engine):
         if self.reduces_this_micro_step():
             for b in self.layout.buckets:
                 if b.index not in self._reduced:
-                    self.reduce_bucket(b)
+                    self.post_backward(b)
 
     def reduce_bucket(self, b: Bucket) -> None:
+        """All-reduce (average) the bucket's gradients in place; with overlap_comm, while backward goes on."""
         grads = self.layout.bucket_view(self.flat_grads, b)
-        handle = self.comm.all_reduce(grads, average=True, kind="grads", async_op=self.overlap)
-        if handle is not None:   # overlap: backward goes on; Engine.backward waits for it at the end
-            self._handles.append(handle)
+        self.overlap(lambda: self.comm.all_reduce(grads, average=True, kind="grads"))
 
     # -- step -------------------------------------------------------------------------------------------
     def grad_pieces(self) -> list[torch.Tensor]:
         return [self.layout.bucket_view(self.flat_grads, b) for b in self.layout.buckets]
+
+    def param_home(self, b: Bucket) -> torch.Tensor:
+        return self.layout.bucket_view(self.flat_params, b)
 
     def publish(self) -> None:
         if self.flat_master is not self.flat_params:

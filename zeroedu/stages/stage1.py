@@ -42,7 +42,7 @@ class Stage1(Stage0):
     def reduce_bucket(self, b: Bucket) -> None:
         grads = self.layout.bucket_view(self.flat_grads, b)
         out = self.grad_out(b)
-        self.launch(lambda: self.reduce_to_piece(out, grads, b))
+        self.overlap(lambda: self.reduce_to_piece(out, grads, b))
 
     def reduce_to_piece(self, out: torch.Tensor, grads: torch.Tensor, b: Bucket) -> None:
         """out = this rank's piece of the bucket's gradient averaged over ranks. `reduce_scatter: false` gets it
@@ -61,18 +61,20 @@ class Stage1(Stage0):
     def grad_pieces(self) -> list[torch.Tensor]:
         return [self.layout.piece_of_shard(self.grad_shard, b) for b in self.layout.buckets]
 
+    def param_home(self, b: Bucket) -> torch.Tensor:
+        return self.param_shard_views[b.index]
+
     def publish(self) -> None:
         if self.config.zero_optimization.allgather_bucket_size is not None:
             self.publish_in_chunks(self.config.zero_optimization.allgather_bucket_size)
             return
-        gathers = []   # queued back to back on the comm thread; the next bucket's copy overlaps this gather
-        for b, master, mine in zip(self.layout.buckets, self.master_pieces, self.param_shard_views, strict=True):
-            if master.data_ptr() != mine.data_ptr():
-                mine.copy_(master)
-            full = self.layout.bucket_view(self.flat_params, b)
-            gathers.append(self.comm.all_gather(full, mine, kind="params", async_op=True))
-        for handle in gathers:
-            handle.wait()
+        # With overlap_comm the gathers queue back to back on the comm thread: the next bucket's write-back
+        # overlaps this bucket's gather.
+        for b, master in zip(self.layout.buckets, self.master_pieces, strict=True):
+            self.write_back(b, master)
+            full, mine = self.layout.bucket_view(self.flat_params, b), self.param_home(b)
+            self.overlap(lambda full=full, mine=mine: self.comm.all_gather(full, mine, kind="params"))
+        self.wait()
 
     def publish_in_chunks(self, chunk_numel: int) -> None:
         """`allgather_bucket_size`: all-gathers of at most chunk_numel elements (N x this rank's part), whatever
@@ -80,9 +82,8 @@ class Stage1(Stage0):
         shard (this rank's pieces, back to back), so it may span several buckets or part of one; what arrives is
         copied to where each rank's piece lives in the flat parameters."""
         n, per_rank = self.world_size, max(1, chunk_numel // self.world_size)
-        for master, mine in zip(self.master_pieces, self.param_shard_views, strict=True):
-            if master.data_ptr() != mine.data_ptr():
-                mine.copy_(master)
+        for b, master in zip(self.layout.buckets, self.master_pieces, strict=True):
+            self.write_back(b, master)
         spans = [(b, b.shard_start, b.shard_start + b.piece) for b in self.layout.buckets]
         for start in range(0, self.layout.shard_numel, per_rank):
             end = min(start + per_rank, self.layout.shard_numel)

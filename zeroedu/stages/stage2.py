@@ -25,6 +25,7 @@ from zeroedu.stages.stage1 import Stage1
 
 class Stage2(Stage1):
     stage = 2
+    partitions_grads = True
 
     def setup_gradients(self) -> None:
         self.flat_grads = None
@@ -43,9 +44,10 @@ class Stage2(Stage1):
     def bucket_buffer_numel(self) -> int:
         return max(b.padded for b in self.layout.buckets)
 
-    def take_bucket_buffer(self, b: Bucket | None = None) -> torch.Tensor:
-        """A new buffer of b's size (None: the largest bucket's), once the older of the two buffers in flight is
-        done. Its reduce-scatter lets go of it: a rank holds only the bucket buffers still to be reduced."""
+    def take_bucket_slot(self, b: Bucket | None = None) -> tuple[int, torch.Tensor]:
+        """(slot, buffer): a new buffer of b's size (None: the largest bucket's) in slot 0 or 1, once the older
+        of the two buffers in flight is done. Its reduce-scatter lets go of it: a rank holds only the bucket
+        buffers still to be reduced."""
         i = self._next_buffer
         self._next_buffer = 1 - i
         if self._buffer_jobs[i] is not None:
@@ -54,17 +56,20 @@ class Stage2(Stage1):
         self.bucket_buffers[i] = torch.empty(n, dtype=self.dtype, device=self.device)
         live = sum(t.untyped_storage().nbytes() for t in self.bucket_buffers if t is not None)
         self.bucket_bytes_high = max(self.bucket_bytes_high, live)   # the most bucket bytes alive at once so far
-        return self.bucket_buffers[i]
+        return i, self.bucket_buffers[i]
+
+    def take_bucket_buffer(self, b: Bucket | None = None) -> torch.Tensor:
+        """A new buffer for bucket b's gradients (take_bucket_slot without the slot)."""
+        return self.take_bucket_slot(b)[1]
 
     def backward(self, loss: torch.Tensor) -> None:
         super().backward(loss)   # returns once every reduce-scatter is done
         self.bucket_buffers, self._buffer_jobs, self._next_buffer = [None, None], [None, None], 0
 
     def reduce_bucket(self, b: Bucket) -> None:
-        i = self._next_buffer
-        buf = self.take_bucket_buffer(b)
+        slot, buf = self.take_bucket_slot(b)
         self.move_grads(b, buf)
-        self.reduce_to_shard([b], [buf], i)
+        self.reduce_to_shard([b], [buf], slot)
 
     def move_grads(self, b: Bucket, buf: torch.Tensor) -> None:
         """Copy bucket b's gradients into buf (zeros for a parameter that got none, and in the padding)."""
@@ -76,28 +81,31 @@ class Stage2(Stage1):
                 p.grad = None          # the full-size gradient is freed here
         buf[b.numel:].zero_()
 
-    def reduce_to_shard(self, buckets: list[Bucket], bufs: list[torch.Tensor], i: int) -> None:
-        """Reduce-scatter the filled bucket buffer(s) (one collective) into this rank's gradient shard."""
+    def reduce_to_shard(self, buckets: list[Bucket], bufs: list[torch.Tensor], slot: int) -> None:
+        """Reduce the filled buffer(s) of bucket slot `slot` into this rank's gradient shard, overlapped; the
+        slot's buffer goes once they are reduced."""
         outs = [self.grad_out(b) for b in buckets]
 
         def job() -> None:
-            if self.config.zero_optimization.reduce_scatter:
-                reduced = [torch.empty_like(out, dtype=bufs[0].dtype) for out in outs]
-                self.comm.reduce_scatter_coalesced(reduced, bufs, average=True, kind="grads")
-            else:   # reduce_scatter false: all-reduce each bucket (2x the bytes) and keep this rank's piece
-                reduced = []
-                for b, buf in zip(buckets, bufs, strict=True):
-                    self.comm.all_reduce(buf, average=True, kind="grads")
-                    reduced.append(buf[self.rank * b.piece: (self.rank + 1) * b.piece])
-            for out, r in zip(outs, reduced, strict=True):
-                out.add_(r)            # micro-steps accumulate in the shard
-            self.bucket_buffers[i] = None   # reduced: the buffer goes (the main thread takes slot i only after this)
+            self.reduce_scatter_buckets(bufs, outs)
+            self.bucket_buffers[slot] = None   # reduced: the buffer goes (the main thread takes the slot after this)
 
-        if self.overlap:
-            self._buffer_jobs[i] = self.comm.run_async(job)
-            self._handles.append(self._buffer_jobs[i])
-        else:
-            job()
+        self._buffer_jobs[slot] = self.overlap(job)
+
+    def reduce_scatter_buckets(self, bufs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        """Add to each out this rank's piece of its buffer, averaged over ranks: one collective for them all (a
+        bucket, or the units waiting in one). Runs on the comm thread under overlap_comm. ZeRO++'s qgZ
+        replaces the collective here."""
+        if self.config.zero_optimization.reduce_scatter:
+            reduced = [torch.empty_like(out, dtype=bufs[0].dtype) for out in outs]
+            self.comm.reduce_scatter_coalesced(reduced, bufs, average=True, kind="grads")
+        else:   # reduce_scatter false: all-reduce each bucket (2x the bytes) and keep this rank's piece
+            reduced = []
+            for buf, out in zip(bufs, outs, strict=True):
+                self.comm.all_reduce(buf, average=True, kind="grads")
+                reduced.append(buf[self.rank * out.numel(): (self.rank + 1) * out.numel()])
+        for out, r in zip(outs, reduced, strict=True):
+            out.add_(r)            # micro-steps accumulate in the shard
 
     def grad_pieces(self) -> list[torch.Tensor]:
         return [self.layout.piece_of_shard(self.grad_shard, b) for b in self.layout.buckets]

@@ -30,6 +30,7 @@ from zeroedu.checkpointing import recomputing
 from zeroedu.flat import Bucket, FlatLayout
 from zeroedu.stages.sizing import max_live_numel, module_units, prefetch_numel, reduce_bucket_numel
 from zeroedu.stages.stage2 import Stage2
+from zeroedu.stages.units import ForwardTrace, UnitState
 
 
 class Stage3(Stage2):
@@ -37,26 +38,38 @@ class Stage3(Stage2):
     coalesce = True   # False: one collective per unit (same bytes, same result, many more collectives)
 
     def setup(self) -> None:
+        super().setup()   # units, this rank's shard, gradient shard, master pieces, gradient hooks
+        self._pending: list[tuple[Bucket, torch.Tensor]] = []   # units whose gradients wait in the bucket
+        self._grad_order: list[int] = []   # units in the order their gradients completed, in the first backward
+        self._recording_grads, self._grad_pos = True, 0
+        self.trace = ForwardTrace()
+        for m in self.module.modules():
+            if self.units_of[m] or m is self.module:
+                m.register_forward_pre_hook(self._pre_forward)
+                m.register_forward_hook(self._post_forward)
+        zero.adopt(self)   # GatheredParameters now gathers and writes back through this engine
+
+    def make_layout(self) -> None:
+        """Units: the parameters each module owns directly (a shared parameter belongs to its first module)."""
         zc = self.config.zero_optimization
         self.bucket_numel = reduce_bucket_numel(self.config, self.module)   # the config's, or sized to the model
         self.prefetch_numel = prefetch_numel(self.config, self.module)
         self.max_live = max_live_numel(self.config, self.module)
-        # Units: the parameters each module owns directly; a shared parameter belongs to its first module.
         units = module_units(self.module)
         self.unit_modules = [m for m, _ in units]
-        groups = [params for _, params in units]
-        self.layout = FlatLayout(self.params, self.world_size, groups=groups)
+        self.layout = FlatLayout(self.params, self.world_size, groups=[params for _, params in units])
         self._bucket_of = {p: b for b in self.layout.buckets for p in b.params}
         self.units_of = {m: sorted({self._bucket_of[p].index for p in m.parameters(recurse=False)
                                     if p in self._bucket_of}) for m in self.module.modules()}
         self.persistent = {b.index for b in self.layout.buckets if b.numel < zc.stage3_param_persistence_threshold}
 
-        # This rank's shard, one unit at a time: a model built inside zeroedu.zero.Init is gathered unit by unit
-        # (GatheredParameters), so no rank ever holds the whole model.
+    def place_parameters(self) -> None:
+        """This rank keeps its shard, filled one unit at a time: a model built inside zeroedu.zero.Init is
+        gathered unit by unit (GatheredParameters), so no rank ever holds the whole model."""
         self.param_shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
         self.unit_buffers: dict[int, torch.Tensor] = {}  # unit -> its full buffer (storage empty when released)
-        self.gathered: dict[int, torch.Tensor] = {}     # unit -> its full buffer, while gathered
-        self.inflight: dict[int, tuple] = {}            # unit -> (handle, buffer), while a prefetch runs
+        self.gathered: dict[int, torch.Tensor] = {}     # unit -> its full buffer, while GATHERED
+        self.inflight: dict[int, tuple] = {}            # unit -> (handle, buffer), while GATHERING
         for b in self.layout.buckets:
             full = torch.zeros(b.padded, dtype=self.dtype, device=self.device)
             with zero.GatheredParameters(b.params):
@@ -71,36 +84,28 @@ class Stage3(Stage2):
                 self._detach(b)
         del full
 
-        self._waiting, self._reduced = {}, set()
-        self._pending: list[tuple[Bucket, torch.Tensor]] = []   # units whose gradients wait in the bucket
-        self._grad_order: list[int] = []   # units in the order their gradients completed, in the first backward
-        self._recording_grads, self._grad_pos = True, 0
-        self.setup_gradients()
+    def master_source(self) -> list[torch.Tensor]:
+        """The master pieces are this rank's pieces of the parameter shard (an fp32 copy unless fp32)."""
         if self.dtype == torch.float32:   # the fp32 parameter shard is the master
             self.master_shard = None
             src = self.param_shard
         else:
             self.master_shard = src = self.param_shard.float()
-        self.master_pieces = [torch.nn.Parameter(self.layout.piece_of_shard(src, b)) for b in self.layout.buckets]
-        for p in self.layout.params:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
-        self._trace: list[torch.nn.Module] = []
-        self._last_use: dict[int, int] = {}
-        self._recording, self._trace_ok = True, False
-        self._calls: list[int] = []
-        self._n_calls = 0
-        for m in self.module.modules():
-            if self.units_of[m] or m is self.module:
-                m.register_forward_pre_hook(self._pre_forward)
-                m.register_forward_hook(self._post_forward)
-        zero.adopt(self)   # GatheredParameters now gathers and writes back through this engine
+        return [self.layout.piece_of_shard(src, b) for b in self.layout.buckets]
 
     # -- gather and release -----------------------------------------------------------------------------
     # Each unit has one full-size buffer whose *storage* is freed on release (resized to 0 bytes) and
     # re-allocated on gather. Autograd may have saved views of a weight (nn.Linear saves weight.t()): they
     # keep pointing at the same storage, so they cost nothing while released and see the re-gathered values
     # in backward. The parameters themselves point at an empty tensor while released.
-    def _buffer(self, b: Bucket) -> torch.Tensor:
+    def unit_state(self, u: int) -> UnitState:
+        """Unit u's state, read from where it is (gathered, inflight): exercise 6's fetch and release keep those."""
+        if u in self.gathered:
+            return UnitState.GATHERED
+        return UnitState.GATHERING if u in self.inflight else UnitState.RELEASED
+
+    def unit_buffer(self, b: Bucket) -> torch.Tensor:
+        """Unit b's full-size buffer, with its storage allocated: what its all-gather fills."""
         if b.index not in self.unit_buffers:
             self.unit_buffers[b.index] = torch.empty(b.padded, dtype=self.dtype, device=self.device)
         buf = self.unit_buffers[b.index]
@@ -121,40 +126,38 @@ class Stage3(Stage2):
         if b.index in self.unit_buffers:
             self.unit_buffers[b.index].untyped_storage().resize_(0)
 
-    def _start_gather(self, b: Bucket) -> None:
-        buf = self._buffer(b)
-        job = lambda: self.comm.all_gather(buf, self.param_piece(b), kind="params")  # noqa: E731
-        self.inflight[b.index] = (self.comm.run_async(job), buf)
+    def param_home(self, b: Bucket) -> torch.Tensor:
+        return self.layout.piece_of_shard(self.param_shard, b)
 
     def param_piece(self, b: Bucket) -> torch.Tensor:
         """This rank's piece of unit b on the device, as its all-gather sends it (called on the comm thread;
         offload_param brings it from the host or NVMe here)."""
-        return self.layout.piece_of_shard(self.param_shard, b)
+        return self.param_home(b)
 
     def start_gathers(self, units: list[Bucket]) -> None:
-        """Start gathering these units: one coalesced all-gather for all of them."""
-        if not self.coalesce or len(units) == 1:
-            for b in units:
-                self._start_gather(b)
-            return
-        bufs = [self._buffer(b) for b in units]
-        job = lambda: self.comm.all_gather_coalesced(bufs, [self.param_piece(b) for b in units])  # noqa: E731
-        handle = self.comm.run_async(job)
-        for b, buf in zip(units, bufs, strict=True):
-            self.inflight[b.index] = (handle, buf)
+        """Start gathering these RELEASED units on the comm thread (they are GATHERING until fetched): one
+        coalesced all-gather for all of them, or one each without coalescing. ZeRO++ picks the source here."""
+        for part in [units] if self.coalesce else [[b] for b in units]:
+            bufs = [self.unit_buffer(b) for b in part]
+            job = lambda part=part, bufs=bufs: self.comm.all_gather_coalesced(  # noqa: E731
+                bufs, [self.param_piece(b) for b in part])
+            handle = self.comm.run_async(job)   # a prefetch: fetch() waits for this handle, not wait()
+            for b, buf in zip(part, bufs, strict=True):
+                self.inflight[b.index] = (handle, buf)
 
     def fetch(self, u: int) -> None:
         """Make unit u whole, now (waiting for its prefetch if one is on the way)."""
-        if u in self.gathered:
+        if self.unit_state(u) is UnitState.GATHERED:
             return
-        if u not in self.inflight:
+        if self.unit_state(u) is UnitState.RELEASED:
             self.start_gathers([self.layout.buckets[u]])
         handle, buf = self.inflight.pop(u)
         handle.wait()
         self._attach(self.layout.buckets[u], buf)
 
     def release(self, u: int) -> None:
-        if u in self.gathered and u not in self.persistent:
+        """Free unit u's full parameters (RELEASED), unless it is persistent or not gathered."""
+        if self.unit_state(u) is UnitState.GATHERED and u not in self.persistent:
             self._detach(self.layout.buckets[u])
 
     def live_numel(self) -> int:
@@ -163,11 +166,11 @@ class Stage3(Stage2):
 
     def prefetch(self, calls: range) -> None:
         """Start gathering the units of the next module calls in the recorded order, within the budgets."""
-        if not self._trace_ok:
+        if not self.trace.follows:
             return
         budget, live, start = self.prefetch_numel, self.live_numel(), []
-        for u in dict.fromkeys(u for j in calls for u in self.units_of[self._trace[j]]):
-            if u in self.gathered or u in self.inflight or u in self._reduced:
+        for u in dict.fromkeys(u for j in calls for u in self.units_of[self.trace.modules[j]]):
+            if self.unit_state(u) is not UnitState.RELEASED or u in self._reduced:
                 continue
             n = self.layout.buckets[u].padded
             if n > budget or live + n > self.max_live:
@@ -183,18 +186,12 @@ class Stage3(Stage2):
             for u in self.units_of[m]:
                 self.fetch(u)
             return
-        i = self._n_calls
-        self._n_calls += 1
-        self._calls.append(i)
-        if self._recording:
-            self._trace.append(m)
-        elif self._trace_ok and (i >= len(self._trace) or self._trace[i] is not m):
-            self._trace_ok = False   # this forward runs differently: release only at the end
+        i = self.trace.enter(m)
         for u in self.units_of[m]:
             self.fetch(u)
         if i == 0:
             self._reduced = set()   # a new forward: no unit has been reduced in it yet
-        self.prefetch(range(i + 1, len(self._trace)))
+        self.prefetch(range(i + 1, len(self.trace.modules)))
 
     def _post_forward(self, m: torch.nn.Module, args, out) -> None:
         if recomputing():   # released once its gradients are reduced, as in any backward
@@ -202,24 +199,19 @@ class Stage3(Stage2):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda grad, m=m: self._pre_backward(m, None))
             return
-        i = self._calls.pop()
+        i = self.trace.leave()
         if torch.is_grad_enabled():
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda grad, m=m, i=i: self._pre_backward(m, i))
-        if self._trace_ok:
+        if self.trace.follows:
             for u in self.units_of[m]:
-                if self._last_use.get(u) == i:
+                if self.trace.last_use.get(u) == i:
                     self.release(u)
         if m is self.module:   # the whole forward is done
-            if self._recording:
-                self._recording, self._trace_ok = False, True
-                for j, mod in enumerate(self._trace):
-                    for u in self.units_of[mod]:
-                        self._last_use[u] = j
+            self.trace.end(self.units_of)
             for u in list(self.gathered):
                 self.release(u)
-            self._n_calls = 0
 
     def _pre_backward(self, m: torch.nn.Module, i: int | None) -> None:
         for u in self.units_of[m]:
@@ -228,16 +220,21 @@ class Stage3(Stage2):
         if i is not None:                  # None: a recomputed module, which has no place in the trace
             self.prefetch(range(i - 1, -1, -1))
 
-    # -- backward: reduce as at stage 2, then release -----------------------------------------------------
+    # -- backward: release, then reduce as at stage 2 ----------------------------------------------------
     def bucket_buffer_numel(self) -> int:
         biggest = super().bucket_buffer_numel()
         if not self.coalesce:
             return biggest
         return max(biggest, min(self.bucket_numel, self.layout.full_numel))
 
-    def reduce_bucket(self, b: Bucket) -> None:
-        """Unit b's gradients are complete: release the unit (its backward is over), into the bucket with them."""
+    def post_backward(self, b: Bucket) -> None:
+        """Unit b's gradients are complete, so its backward is over: release the unit, reduce its gradients."""
         self.release(b.index)
+        self.reduce_bucket(b)
+
+    def reduce_bucket(self, b: Bucket) -> None:
+        """Unit b's gradients go into the bucket; the bucket is reduce-scattered when the next unit would not
+        fit (units are small: one collective for many)."""
         if not self.coalesce:
             super().reduce_bucket(b)
             return
@@ -246,8 +243,7 @@ class Stage3(Stage2):
             self.flush_gradients()
             filled = 0
         if not self._pending:
-            self._bucket_index = self._next_buffer
-            self._bucket = self.take_bucket_buffer()
+            self._bucket_slot, self._bucket = self.take_bucket_slot()
         buf = self._bucket[filled: filled + b.padded]
         self.move_grads(b, buf)
         self._pending.append((b, buf))
@@ -272,7 +268,7 @@ class Stage3(Stage2):
         """Reduce-scatter the units waiting in the bucket, in one collective."""
         if self._pending:
             units, bufs = zip(*self._pending, strict=True)
-            self.reduce_to_shard(list(units), list(bufs), self._bucket_index)
+            self.reduce_to_shard(list(units), list(bufs), self._bucket_slot)
             self._pending, self._bucket = [], None
 
     def before_backward(self) -> None:
@@ -283,7 +279,7 @@ class Stage3(Stage2):
         super().after_backward()
         self.flush_gradients()
         if self._recording_grads and self._grad_order:
-            self._recording_grads = False   # the order units reached reduce_bucket: the next backwards' order
+            self._recording_grads = False   # the order units reached post_backward: the next backwards' order
         for u in list(self.inflight):       # a prefetch nobody used
             self.fetch(u)
         for u in list(self.gathered):
@@ -292,14 +288,12 @@ class Stage3(Stage2):
     # -- step -------------------------------------------------------------------------------------------
     def publish(self) -> None:
         for b, master in zip(self.layout.buckets, self.master_pieces, strict=True):
-            mine = self.layout.piece_of_shard(self.param_shard, b)
-            if master.data_ptr() != mine.data_ptr():
-                mine.copy_(master)
+            self.write_back(b, master)
         # The units kept whole get their new values, in one collective (one each without coalescing).
         kept = [b for b in self.layout.buckets if b.index in self.persistent]
         for group in ([kept] if self.coalesce and kept else [[b] for b in kept]):
             self.comm.all_gather_coalesced([self.gathered[b.index] for b in group],
-                                           [self.layout.piece_of_shard(self.param_shard, b) for b in group])
+                                           [self.param_piece(b) for b in group])
 
     def owned(self) -> dict[str, list[torch.Tensor]]:
         base = super().owned()
