@@ -185,6 +185,7 @@ def test_client_adam_and_sgd_instances_train_as_their_config_equivalents():
         import torch
 
         import zeroedu
+
         from reference import LR, make
         from workers import config, run_steps
 
