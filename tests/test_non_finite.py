@@ -82,3 +82,13 @@ def test_model_parameters_with_a_non_finite_lr_are_refused():
     with pytest.raises(ValueError, match=r"model_parameters has lr=inf: hyperparameters must be finite"):
         zeroedu.initialize(model=model, model_parameters=[{"params": list(model.parameters()), "lr": math.inf}],
                            config=BASE)
+
+
+def test_dist_init_required_false_without_torch_distributed_is_refused():
+    """DeepSpeed's dist_init_required=False: the caller has initialized torch.distributed; here it has not."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()   # conftest leaves no process group between modules
+    with pytest.raises(RuntimeError, match=r"\(dist_init_required=False\) needs torch.distributed"):
+        zeroedu.initialize(model=torch.nn.Linear(4, 4), config=BASE, dist_init_required=False)
+    assert not dist.is_initialized()

@@ -192,7 +192,7 @@ def _scheduler_state(engine) -> dict | None:
 
 
 def _metadata(engine, tag: str, files: list[dict], elem: list[str], scalars: dict, extras: dict) -> dict:
-    from zeroedu import __version__
+    from zeroedu._version import __version__
 
     zc = engine.config.zero_optimization
     layout = engine.layout

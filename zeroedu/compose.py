@@ -50,7 +50,8 @@ def initialize(model: torch.nn.Module | None = None, config=None, model_paramete
     sharded as the config's optimizer would be; `lr_scheduler` (a torch scheduler over that optimizer, or a
     callable that makes one from the engine's optimizer) is stepped by engine.step(); `model_parameters` must be
     the model's trainable parameters (groups may repeat one set of hyperparameters). torch.distributed must be
-    initialized (zeroedu.launch or torchrun) or this process becomes a world of one.
+    initialized (zeroedu.launch or torchrun) or this process becomes a world of one; `dist_init_required=False`
+    refuses to start one (as in DeepSpeed, the caller has initialized torch.distributed).
     """
     if model is None:
         raise TypeError("zeroedu.initialize needs model=: the torch.nn.Module to train.")
@@ -61,6 +62,10 @@ def initialize(model: torch.nn.Module | None = None, config=None, model_paramete
     cfg = load_config(config)
     cfg = client.with_client_optimizer(cfg, model, optimizer, model_parameters)
     if not dist.is_initialized():
+        if dist_init_required is False:   # as DeepSpeed: False means the caller has set torch.distributed up
+            raise RuntimeError("initialize(dist_init_required=False) needs torch.distributed initialized already "
+                               "(zeroedu.launch or torchrun do it): start the ranks that way, or leave the argument "
+                               "out to let zeroedu start a world of one here.")
         init_distributed()
     engine = engine_class(cfg)(model, cfg)
     if lr_scheduler is not None:

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils._pytree import tree_map
 
-from zeroedu.comm import Comm, Handle, LedgerEntry
+from zeroedu.comm import Comm, Handle
 from zeroedu.config import Config
 from zeroedu.memory import MODEL_STATES, PeakTracker, SavedActivations, resident
 from zeroedu.precision import LossScaler, compute_dtype
@@ -296,10 +296,8 @@ class Engine:
             overflow = norm is not None and not math.isfinite(norm)
             if overflow:
                 self.skipped_steps += 1
-                self.comm.ledger.append(LedgerEntry(
-                    op="skipped_step", phase="step", kind="scalar", step=self.global_step, dtype="-", numel=0,
-                    group=self.comm.ranks, group_size=self.world_size, tensor_bytes=0, sent_bytes=0,
-                    sent_measured=True, impl="-", seconds=0.0, seq=-1, start=time.time()))
+                self.comm.ledger.note("skipped_step", "step", "scalar", self.global_step, None,
+                                      group=self.comm.ranks, sent_bytes=0, impl="-")
             else:
                 coef = 1.0 / self.scaler.scale
                 if clip > 0:

@@ -380,13 +380,9 @@ class OffloadMixin:
     # -- copies and files, each one a ledger entry ---------------------------------------------------------------
     def _record(self, op: str, t: torch.Tensor, nbytes: int, wall0: float, seconds: float, impl: str,
                 phase: str | None = None, step: int | None = None) -> LedgerEntry:
-        entry = LedgerEntry(
-            op=op, phase=phase or self.comm.phase, kind="offload",
-            step=self.global_step if step is None else step, dtype=str(t.dtype).removeprefix("torch."),
-            numel=t.numel(), group=(self.global_rank,), group_size=1, tensor_bytes=t.numel() * t.element_size(),
-            sent_bytes=nbytes, sent_measured=True, impl=impl, seconds=seconds, seq=-1, start=wall0)
-        self.comm.ledger.append(entry)
-        return entry
+        return self.comm.ledger.note(op, phase or self.comm.phase, "offload",
+                                     self.global_step if step is None else step, t, group=(self.global_rank,),
+                                     sent_bytes=nbytes, impl=impl, seconds=seconds, start=wall0)
 
     def transfer(self, dst: torch.Tensor, src: torch.Tensor, op: str, phase: str | None = None,
               step: int | None = None, sync: bool = False) -> None:

@@ -23,7 +23,7 @@ Which bytes leave a node: `where_bytes_go(ledgers, node_size)` (every rank's led
 zeroedu.theory.zeropp_comm_bytes, so measured and theory print side by side: the paper's 3M -> 0.75M).
 
 The knobs are module constants, as DeepSpeed keeps them internal too (its config has only the three switches).
-Their defaults live in zeroedu.theory (ZEROPP_*), so the engine and the closed form agree. Set them before
+Their defaults live in zeroedu.vocab (ZEROPP_*), so the engine and the closed form agree. Set them before
 `initialize`, inside the function that runs on the ranks (a rank does not see a change made in the notebook's
 own process): each engine reads them once, when it is built, and checks them.
 """
@@ -35,18 +35,18 @@ import os
 
 import torch
 
-from zeroedu import theory
 from zeroedu.comm import Comm, Ledger
 from zeroedu.flat import Bucket
+from zeroedu.vocab import ZEROPP_BLOCK_SIZE, ZEROPP_GRAD_BITS, ZEROPP_WEIGHT_BITS
 
-WEIGHT_BITS = theory.ZEROPP_WEIGHT_BITS
+WEIGHT_BITS = ZEROPP_WEIGHT_BITS
 """qwZ code width, 8 (as in DeepSpeed: symmetric codes in [-127, 127]) or 4."""
-WEIGHT_BLOCK = theory.ZEROPP_BLOCK_SIZE
+WEIGHT_BLOCK = ZEROPP_BLOCK_SIZE
 """qwZ block: elements that share one fp32 scale. Smaller blocks follow the data closely (less error) and
 cost more scale bytes: 4 bytes per block, 0.2% of the int8 payload at 2048, 1.6% at 256."""
-GRAD_BITS = theory.ZEROPP_GRAD_BITS
+GRAD_BITS = ZEROPP_GRAD_BITS
 """qgZ code width, 4 or 8. int4 (codes in [-7, 7], two per byte) is the paper's choice."""
-GRAD_BLOCK = theory.ZEROPP_BLOCK_SIZE
+GRAD_BLOCK = ZEROPP_BLOCK_SIZE
 """qgZ block: elements of a gradient slice that share one fp32 scale."""
 NODE_SIZE: int | None = None
 """Ranks per node when the config has no hpZ (hpZ's partition size is the node when it is set). None: the

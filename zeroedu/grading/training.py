@@ -34,12 +34,12 @@ from zeroedu.fmt import approx
 from zeroedu.grading.ranks import run_on_ranks
 from zeroedu.grading.remote import in_kernel
 from zeroedu.models import MLP, Quirky, TinyGPT, TinyGPTConfig, gpt_batch, mlp_batch, quirky_batch, shard_batch
+from zeroedu.precision import DTYPES
 
 __all__ = ["Case", "Quirky", "TrainRun", "make_batch", "make_model", "reference", "train_on_ranks"]
 
 GPT = TinyGPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layer=1, n_head=2)
 MLP_SIZES = (12, 24, 24, 6)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def make_model(name: str, seed: int = 0) -> nn.Module:
