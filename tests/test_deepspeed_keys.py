@@ -213,3 +213,15 @@ def test_client_adam_and_sgd_instances_train_as_their_config_equivalents():
         ours, ref = r[(name, "client")], r[(name, "config")]
         assert ours["class"] == ref["class"] == name
         assert ours["losses"] == ref["losses"] and param_rel(ours["params"], ref["params"]) == 0.0, name
+
+
+def test_log_lines_keep_a_bounded_window():
+    """A long run that prints every step (steps_per_print 1, wall_clock_breakdown) keeps the newest lines only."""
+    from zeroedu.engine import TIMELINE_KEEP
+
+    engine, *_ = zeroedu.initialize(model=torch.nn.Linear(2, 2), config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    for i in range(3 * TIMELINE_KEEP):
+        engine.log(f"line {i}")
+    assert TIMELINE_KEEP <= len(engine.log_lines) <= 2 * TIMELINE_KEEP
+    assert engine.log_lines[-1] == f"line {3 * TIMELINE_KEEP - 1}"

@@ -108,7 +108,7 @@ class Engine:
         self.last_activations: SavedActivations | None = None   # what the last tracked forward saved for backward
         self._tracker: PeakTracker | None = None
         self._handles: list = []           # overlap(): jobs on the comm thread that wait() waits for
-        self.log_lines: list[str] = []     # what rank 0 printed (steps_per_print, breakdowns, notes), on every rank
+        self.log_lines: list[str] = []     # what rank 0 printed, on every rank (the newest 5,000-10,000 lines)
         self._loss_sum: torch.Tensor | None = None
         self.last_loss: float | None = None
         self._marks = (0, 0)               # (timeline, ledger) lengths at the last optimizer step
@@ -383,6 +383,7 @@ class Engine:
     def log(self, text: str) -> None:
         """Print on rank 0 (DeepSpeed's log_dist(ranks=[0])); every rank keeps the line in log_lines."""
         self.log_lines.append(text)
+        trim_timeline(self.log_lines)     # a long run that prints every step keeps a bounded window
         if self.rank == 0:
             print(text, flush=True)
 
