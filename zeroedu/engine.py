@@ -46,9 +46,8 @@ def make_optimizer(cfg: Config, params: list[torch.Tensor]) -> torch.optim.Optim
     if kind == "SGD":
         kw.setdefault("lr", 1e-3)
     else:
-        # One fused kernel per piece, as DeepSpeed's FusedAdam. The engine steps a few large flat pieces, where
-        # torch's default loop (six passes over each piece) runs out of cache: measured here, Adam over 3.3M
-        # elements in 4 pieces took 20.6 ms per step with the loop, 13.9 ms in 40 pieces, 3.7 ms fused.
+        # One fused kernel per piece, as DeepSpeed's FusedAdam: on the engine's few large flat pieces torch's
+        # default loop runs out of cache (docs/benchmarks.md, "Measurements behind the code").
         kw.setdefault("fused", True)
     return cls(params, **kw)
 
