@@ -652,7 +652,7 @@ def _hostile(tmp_path: Path, outside: Path) -> None:
     assert "zeropp.quantize is the part this exercise asks you to write" in forged, forged
     assert "/usr/lib/python3/dist-packages/zeroedu_helpers.py" in forged, forged
     shadow = by[("ex04_helper_shadows", "ex04_stage1_sharding")]
-    assert any("defines 'launch'" in n for n in shadow.notes), shadow.notes
+    assert any("defines 'overlap'" in n for n in shadow.notes), shadow.notes
     huge = by[("ex01_huge_error", "ex01_memory_formulas")]
     assert all(len(t.message) <= 2000 for t in huge.tests) and all(len(n) <= 2000 for n in huge.notes)
     assert "your code raised ValueError: xxxx" in huge.tests[0].message
