@@ -831,3 +831,30 @@ def test_the_kernel_log_line_of_the_oom_killer_is_found():
     assert L._kernel_kill_line(lines, 424) is None
     if os.access("/dev/kmsg", os.R_OK):   # where the log is readable, it is really read
         assert L._kernel_log(), "/dev/kmsg is readable but nothing was read from it"
+
+
+EXIT_RACE_SCRIPT = """
+import atexit, threading, time
+import sys, zeroedu.launch
+L = sys.modules["zeroedu.launch"]
+calls = []
+def slow_cleanup():
+    calls.append(time.monotonic())
+    time.sleep(1.0)
+    calls.append("done")
+atexit.register(slow_cleanup)
+first = threading.Thread(target=L._run_exit_handlers, args=(5.0,))
+first.start()
+while not calls:
+    time.sleep(0.01)
+L._run_exit_handlers(5.0)     # a stop signal arriving while the error path runs the handlers
+print(calls.count("done"), len(calls))
+"""
+
+
+def test_exit_handlers_run_once_and_a_second_caller_waits_for_them():
+    """The race behind a swap folder left on SIGTERM: rank 0's error path was running the exit handlers when
+    launch's SIGTERM arrived; the signal thread's call returned at once and the rank died mid-cleanup."""
+    out = subprocess.run([PY, "-c", EXIT_RACE_SCRIPT], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.split() == ["1", "2"], (out.stdout, out.stderr)

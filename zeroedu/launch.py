@@ -820,12 +820,22 @@ def _send_error_and_exit(conn: Connection, e: BaseException) -> NoReturn:
     os._exit(1)
 
 
+_EXIT_LOCK = threading.Lock()
+_EXIT_WORKER: threading.Thread | None = None
+
+
 def _run_exit_handlers(limit: float = 10.0) -> None:
     """What a normal exit runs and os._exit skips: atexit handlers, weakref finalizers among them (an engine's
     NVMe swap folder is deleted there, zeroedu.offload). On a side thread, so one that hangs cannot keep the rank
-    alive past `limit` seconds."""
-    worker = threading.Thread(target=atexit._run_exitfuncs, name="zeroedu-exit-handlers", daemon=True)
-    worker.start()
+    alive past `limit` seconds. The handlers run once: a second caller (a stop signal arriving while the error
+    path runs them) waits for the same run instead of finding the list already emptied and exiting mid-way."""
+    global _EXIT_WORKER
+    with _EXIT_LOCK:
+        if _EXIT_WORKER is None:
+            _EXIT_WORKER = threading.Thread(target=atexit._run_exitfuncs, name="zeroedu-exit-handlers",
+                                            daemon=True)
+            _EXIT_WORKER.start()
+        worker = _EXIT_WORKER
     worker.join(limit)
 
 
