@@ -84,6 +84,9 @@ def test_gathered_parameters_read_modify_and_ledger():
     assert a["gathers"] == [("all_gather", "params", wte_bytes, wte_bytes // 2),
                             ("all_gather", "params", 4 * padded, 4 * padded // 2),
                             ("broadcast", "params", 4 * padded, a["gathers"][2][3])]
+    for r in (a, b):   # ZeRO++ and offload keep copies that a broadcast into the shard would leave stale
+        assert [name for name, _ in r["refused"]] == ["Stage3ZeroPP", "Stage3Offload"], r["refused"]
+        assert all("changes weights of a plain stage-3 engine only" in msg for _, msg in r["refused"])
 
 
 @pytest.mark.parametrize("stage", [0, 3])

@@ -170,6 +170,15 @@ def gathered_run(rank: int, world: int) -> dict:
     unit = engine.layout.buckets[engine._bucket_of[engine.module.ln_f.weight].index]
     out["ln_f_piece"] = engine.layout.piece_of_shard(engine.param_shard, unit).clone()
     out["ln_f_unit"] = (unit.padded, unit.piece)
+    out["refused"] = []     # an engine whose extras keep more copies of the parameters: modifier_rank refused
+    for extra in ({"zero_quantized_weights": True}, {"offload_optimizer": {"device": "cpu"}}):
+        other, *_ = zeroedu.initialize(model=TinyGPT(), config=_mlp_config(micro=2, **extra))
+        try:
+            with zero.GatheredParameters(other.module.ln_f.parameters(), modifier_rank=0):
+                pass
+            out["refused"].append(None)
+        except RuntimeError as e:
+            out["refused"].append((type(other).__name__, str(e)))
     return out
 
 

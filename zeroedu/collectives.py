@@ -147,11 +147,16 @@ def exchange_all(p: Peers, sends: list[torch.Tensor], recvs: list[torch.Tensor])
 def direct_reduce_scatter(p: Peers, out: torch.Tensor, inp: torch.Tensor) -> int:
     n, r = p.world_size, p.rank
     chunks = inp.reshape(-1).chunk(n)
-    recvs = [torch.empty_like(chunks[r]) for _ in range(n - 1)]
+    total = out.reshape(-1)
+    # The part added first (from rank r+1) is received straight into out, saving a buffer and a copy, unless
+    # out lies inside inp (its own chunk would be overwritten before it is added).
+    into_out = (out.is_contiguous() and out.dtype == inp.dtype and total.numel() == chunks[r].numel()
+                and out.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr())
+    recvs = [torch.empty_like(chunks[r]) for _ in range(n - 2)] + [total if into_out else torch.empty_like(chunks[r])]
     sent = exchange_all(p, [chunks[(r + k) % n] for k in range(1, n)], recvs)
     # Add in the ring's order (rank r+1's part first, our own last), so both give the same bits.
-    total = out.reshape(-1)
-    total.copy_(recvs[-1])
+    if not into_out:
+        total.copy_(recvs[-1])
     for part in [*reversed(recvs[:-1]), chunks[r]]:
         total.add_(part)
     return sent

@@ -66,11 +66,13 @@ class Engine:
                 after_backward(). Stage 2's buffers go through take_bucket_buffer, move_grads and
                 reduce_scatter_buckets; stage 3's units through fetch / release, start_gathers, unit_buffer,
                 and param_piece (what a rank sends when a unit is gathered)
-    overlap     overlap(fn) runs collectives on the comm thread when overlap_comm is set; wait() waits for them
+    overlap     overlap(fn) runs collectives on the comm thread when overlap_comm is set; wait() waits for them;
+                overlap(fn, prefetch=True) always does, and the caller waits for the handle it returns
     step        grad_pieces() -> optimizer_step(grads, coef) -> publish(), which puts each new master piece
                 in its param_home(bucket) by write_back(bucket, master) and gathers; then zero_grads()
     build_optimizer() makes the optimizer over master_pieces (offload: on the host)
-    attributes  stage, sharded, partitions_grads (extras ask these, not the stage number), layout,
+    attributes  stage, sharded, partitions_grads, keeps_parameter_copies (extras ask these, not the stage
+                number or the class name), layout,
                 master_pieces, grad_shard, param_shard; stage 3: gathered, inflight, unit_buffers, persistent
     memory      owned() by category (tier_bytes() for other tiers)
     checkpoints master_full(), checkpoint_master(), checkpoint_optimizer_state(), restore_checkpoint()
@@ -79,6 +81,9 @@ class Engine:
     stage = -1
     sharded = False      # does each rank own only part of the optimizer state (stages 1-3)?
     partitions_grads = False   # stages 2-3: no full gradient buffer; every micro-step reduces into the shard
+    # An extra that keeps the parameters in more places than the shard and the master pieces (offload's host and
+    # NVMe tiers, ZeRO++'s secondary partition) sets this; zero.GatheredParameters(modifier_rank=...) refuses it.
+    keeps_parameter_copies = False
 
     def __init__(self, model: torch.nn.Module, config: Config, comm: Comm | None = None) -> None:
         self.module = model
@@ -401,10 +406,16 @@ class Engine:
         return text
 
     # -- overlap -----------------------------------------------------------------------------------------
-    def overlap(self, fn: Callable[[], None]) -> Handle | None:
+    def overlap(self, fn: Callable[[], None], prefetch: bool = False) -> Handle | None:
         """Run fn (collectives, and the work that belongs with them) on the comm thread when overlap_comm is set,
         so that backward or the step goes on meanwhile, and return its handle; wait() waits for it. Without
-        overlap_comm, run fn now and return None. Jobs run one after another in the order they were given."""
+        overlap_comm, run fn now and return None. Jobs run one after another in the order they were given.
+
+        prefetch=True: a stage-3 gather started ahead of need. It runs on the comm thread whatever overlap_comm
+        says (a prefetch that blocked would not be one), and its owner waits for its handle (fetch()), not
+        wait(): a unit prefetched but never fetched is released with the handle, not waited for by a step."""
+        if prefetch:
+            return self.comm.run_async(fn)
         if not self.overlap_comm:
             fn()
             return None

@@ -272,6 +272,8 @@ def host_optimizer(cfg, params: list[torch.nn.Parameter], impl: str | None = Non
 class OffloadMixin:
     """offload_optimizer (stages 1-3) and offload_param (stage 3), layered on a stage by compose.engine_class."""
 
+    keeps_parameter_copies = True   # the fp32 master (and offload_param's pieces) live on the host or NVMe
+
     def build_optimizer(self) -> torch.optim.Optimizer:
         if self.opt_tier != "none":   # the step runs on the host: the fastest CPU implementation
             return host_optimizer(self.config, self.master_pieces)

@@ -131,7 +131,7 @@ class _EngineUnit:
     def release(self, modifier_rank: int | None) -> None:
         e, b = self.engine, self.engine.layout.buckets[self.index]
         if modifier_rank is not None:
-            if type(e).__name__ != "Stage3":
+            if e.keeps_parameter_copies:
                 raise RuntimeError(f"GatheredParameters(modifier_rank=...) changes weights of a plain stage-3 "
                                    f"engine only, not of {type(e).__name__} (offload / ZeRO++ keep copies "
                                    f"elsewhere): make the change before initialize, inside or after zero.Init.")

@@ -211,6 +211,7 @@ class ZeroPPMixin:
     (qgZ's collective) and publish (hpZ's secondary copy goes stale)."""
 
     quantizer: BlockQuantizer = BlockQuantizer()   # qwZ's and qgZ's block quantizer (a subclass may set another)
+    keeps_parameter_copies = True   # hpZ's secondary partition holds another copy of the parameters
 
     def setup(self) -> None:
         super().setup()
@@ -283,7 +284,8 @@ class ZeroPPMixin:
                 if not part:
                     continue
                 bufs = [self.unit_buffer(b) for b in part]   # each unit's own buffer: autograd's saved views use it
-                handle = self.comm.run_async(lambda part=part, bufs=bufs, node=node: self._gather(part, bufs, node))
+                handle = self.overlap(lambda part=part, bufs=bufs, node=node: self._gather(part, bufs, node),
+                                      prefetch=True)
                 for b, buf in zip(part, bufs, strict=True):
                     self.inflight[b.index] = (handle, buf)
 

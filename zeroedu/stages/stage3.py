@@ -141,7 +141,7 @@ class Stage3(Stage2):
             bufs = [self.unit_buffer(b) for b in part]
             job = lambda part=part, bufs=bufs: self.comm.all_gather_coalesced(  # noqa: E731
                 bufs, [self.param_piece(b) for b in part])
-            handle = self.comm.run_async(job)   # a prefetch: fetch() waits for this handle, not wait()
+            handle = self.overlap(job, prefetch=True)   # fetch() waits for this handle, not wait()
             for b, buf in zip(part, bufs, strict=True):
                 self.inflight[b.index] = (handle, buf)
 
