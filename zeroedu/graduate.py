@@ -114,6 +114,21 @@ def train(rank: int, world: int, name: str, config: dict, steps: int, save_dir: 
     folder = os.path.join(save_dir, name)
     engine.save_checkpoint(folder)
     dist.barrier()
+    files, consolidated = _saved(name, engine, folder, rank, world)
+    return {"losses": losses, "lrs": lrs, "batch": [micro, accum, micro * accum * world],
+            "model_states": resident(owned()), "peak": dict(tracker.peak), "peak_total": tracker.peak_total,
+            "comm": _comm_counts(name, engine), "files": files, "consolidated": consolidated,
+            "optimizer": type(engine.optimizer.optimizer if name == "deepspeed" else engine.optimizer).__name__}
+
+
+def _saved(name: str, engine, folder: str, rank: int, world: int) -> tuple[list[str], dict | None]:
+    """The checkpoint's files, and on rank 0 its consolidated fp32 weights and whether they equal the engine's
+    own master weights (zeroedu's consolidate, or DeepSpeed's zero_to_fp32)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
     files = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
     if name == "zeroedu":
         master = engine.master_state_dict()
@@ -137,10 +152,7 @@ def train(rank: int, world: int, name: str, config: dict, steps: int, save_dir: 
             flat = torch.cat([consolidated[n].reshape(-1) for n, _ in engine.module.named_parameters()])
             same = torch.equal(flat, master[: flat.numel()])
         consolidated = {"same_as_engine": same, "tensors": {k: v.detach().float() for k, v in consolidated.items()}}
-    return {"losses": losses, "lrs": lrs, "batch": [micro, accum, micro * accum * world],
-            "model_states": resident(owned()), "peak": dict(tracker.peak), "peak_total": tracker.peak_total,
-            "comm": _comm_counts(name, engine), "files": files, "consolidated": consolidated,
-            "optimizer": type(engine.optimizer.optimizer if name == "deepspeed" else engine.optimizer).__name__}
+    return files, consolidated
 
 
 def compare(rank: int, world: int, config: dict, steps: int, save_dir: str) -> dict:
