@@ -242,7 +242,7 @@ def test_assemble_restores_tests_and_puts_back_hidden_and_deleted_cells():
 
 def test_overlap_check_names_each_mistake():
     """Exercise 3's check of when buckets are reduced, on event sequences written out by hand."""
-    from zeroedu.grading.engines import _overlap_problem
+    from zeroedu.grading.ddp_buckets import _overlap_problem
 
     buckets = [[0, 1], [2]]   # backward delivers parameter 2 first, then 1, then 0
     good = [("backward", True), ("grad", 2), ("reduce", 1), ("grad", 1), ("grad", 0), ("reduce", 0), ("after",)]

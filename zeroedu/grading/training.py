@@ -7,9 +7,10 @@ a single-process run on the same global batch.
     run.check_replicas()    # every rank's compute parameters equal the reference weights (all-gathered)
 
 `engine_for_rank(case)` runs on each rank and returns the engine class to build: a zeroedu stage with the
-learner's piece in it (a subclass the learner wrote, or an adapter in zeroedu.grading.engines that calls the
-learner's function where the real engine calls its own). The harness puts a thin recorder on top of that class:
-it notes the reduced gradient handed to the optimizer step, and nothing else.
+learner's piece in it (a subclass the learner wrote, or an adapter in the exercise's module, such as
+zeroedu.grading.offload_step, that calls the learner's function where the real engine calls its own). The
+harness puts a thin recorder on top of that class: it notes the reduced gradient handed to the optimizer step, and
+nothing else.
 
 The reference (`reference(case)`) never touches the engine: the whole global batch in one process, fp32 master
 weights stepped by torch's own optimizer, the compute-dtype model copied from them after each step, exactly as

@@ -1,0 +1,61 @@
+"""The gradebook: results as a table for the terminal, as JSON (gradebook) and as CSV (write_csv)."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import asdict
+from pathlib import Path
+
+from zeroedu.grading.results import ExerciseResult
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def table(results: list[ExerciseResult], width: int = 70) -> str:
+    rows = [("learner", "exercise", "points", "tests", "first failure")]
+    for r in results:
+        failure = r.first_failure.replace("\n", " ")
+        rows.append((r.learner, r.exercise, f"{_num(r.points)}/{_num(r.max_points)}",
+                     f"{r.passed}/{len(r.tests)}" if r.status == "graded" else r.status,
+                     (failure[:width - 1] + "…") if len(failure) > width else (failure or "-")))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)) + "  " + row[4]
+             for row in rows]
+    totals: dict[str, list[float]] = {}
+    for r in results:
+        t = totals.setdefault(r.learner, [0.0, 0.0])
+        t[0] += r.points
+        t[1] += r.max_points
+    if len(results) > 1:
+        lines.append("")
+        lines += [f"{learner}: {_num(p)}/{_num(m)}" for learner, (p, m) in totals.items()]
+    return "\n".join(lines)
+
+
+def gradebook(results: list[ExerciseResult]) -> dict:
+    learners: dict[str, dict] = {}
+    for r in results:
+        entry = learners.setdefault(r.learner, {"learner": r.learner, "points": 0.0, "max_points": 0.0,
+                                                "exercises": []})
+        entry["points"] += r.points
+        entry["max_points"] += r.max_points
+        d = asdict(r)
+        d["passed_tests"], d["first_failure"] = r.passed, r.first_failure
+        entry["exercises"].append(d)
+    return {"learners": list(learners.values())}
+
+
+CSV_FIELDS = ["learner", "exercise", "points", "max_points", "passed_tests", "tests", "status", "first_failure",
+              "notes"]
+
+
+def write_csv(results: list[ExerciseResult], path: Path) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in results:
+            w.writerow({"learner": r.learner, "exercise": r.exercise, "points": _num(r.points),
+                        "max_points": _num(r.max_points), "passed_tests": r.passed, "tests": len(r.tests),
+                        "status": r.status, "first_failure": r.first_failure, "notes": " | ".join(r.notes)})

@@ -1,0 +1,94 @@
+"""A graded notebook's verdicts: each test cell's points and message from how its cell ran (score), notes for
+the other cells that failed, the guard's refusals from the kernel's log, and what an exercise is worth."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from zeroedu.grading import notebook as nbtools
+from zeroedu.grading.results import CellRun, TestResult
+from zeroedu.grading.runner import REFUSED_ENAME
+
+REFUSED_MARK = "zeroedu-grade-refused "   # guard/sitecustomize.py writes refusals after it
+
+
+def _test_name(cell: Any, grade_id: str) -> str:
+    names = re.findall(r"\bcheck\(\s*f?[\"']([^\"']+)[\"']", cell.source)
+    return "; ".join(names) if names else grade_id
+
+
+_RUN_IT = ": run the cell that defines it first, and fix it if it fails"  # check.describe_exception says the same
+
+
+def _plain(run: CellRun) -> str:
+    """A failed test cell's outcome in plain words."""
+    if run.status == "timeout":
+        return (f"timed out after {run.evalue or '?'} s and was interrupted: an infinite loop, or ranks waiting for "
+                "each other (a deadlock)")
+    if run.status == "killed":
+        return (f"ran past {run.evalue or '?'} s and ignored the interrupt: the kernel and every process it "
+                "started were killed, and a fresh kernel ran the cells after it")
+    if run.status == "died":
+        return f"the kernel died while it ran ({run.evalue}); a fresh kernel ran the cells after it"
+    if run.status == "not run":
+        return f"not run: {run.evalue}" if run.evalue else "not run"
+    ename, evalue = run.ename, run.evalue
+    if ename in ("CheckFailed", REFUSED_ENAME):
+        return evalue
+    if ename == "NotImplementedError":
+        return f"not implemented yet: {evalue}" if evalue else "not implemented yet"
+    if ename == "NameError":
+        return f"{evalue}{_RUN_IT}"
+    if ename == "AssertionError":
+        return evalue or "a test assertion failed"
+    return f"{ename}: {evalue}"
+
+
+def score(nb: Any, runs: list[CellRun]) -> tuple[list[TestResult], list[str]]:
+    tests, notes = [], []
+    earlier = ""
+    for cell, run in zip(nb.cells, runs, strict=True):
+        gid = cell.metadata.get("zeroedu_grade", {}).get("grade_id")
+        info = nbtools.cell_info(cell) if gid else None
+        if info is not None and info.role == "test":
+            passed = run.status in ("ok", "skipped")
+            message = "" if passed else _plain(run)
+            if earlier and "is not defined" in message:  # say which earlier cell left the name undefined
+                message = message.replace(_RUN_IT, "") + f" ({earlier})"
+            tests.append(TestResult(gid, _test_name(cell, gid), info.points if passed else 0.0, info.points,
+                                    passed, message, info.hidden))
+        elif cell.cell_type == "code" and run.status not in ("ok", "skipped", "not run"):
+            what = f"answer cell '{gid}'" if info is not None and info.role == "answer" else (
+                f"given cell '{gid}'" if gid else "cell you added")
+            text = f"the {what} failed: {_plain(run)}"
+            if earlier and "is not defined" in text:
+                text = text.replace(_RUN_IT, "") + f" ({earlier})"
+            notes.append(text)
+            earlier = earlier or text
+    return tests, notes
+
+
+def _refusals(private: Path) -> list[str]:
+    """The guard's refusals, from the kernel's stderr as the grader received it (outside the sandbox)."""
+    try:
+        lines = (private / "kernel.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        if not line.startswith(REFUSED_MARK):
+            continue
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            r = json.loads(line[len(REFUSED_MARK):])
+            out.append(f"refused to {str(r['op'])[:20]} {str(r['path'])[:300]}: outside the notebook's working "
+                       "directory")
+    return list(dict.fromkeys(out))[:20]
+
+
+def full_points(solution: Any) -> float:
+    """What an exercise is worth: the points of every test cell of its solution."""
+    return sum(nbtools.cell_info(c).points for c in solution.cells if nbtools.cell_info(c).role == "test")

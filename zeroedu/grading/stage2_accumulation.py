@@ -1,0 +1,92 @@
+"""Exercise 5 (ex05_stage2_accumulation): the learner's Stage2 reduce_bucket in the real engine, and its checks.
+
+The learner's Stage2 subclass trains on real gloo ranks (zeroedu.grading.training), noting after every backward
+which full-size gradients are still held; the learner's prediction of the gradient traffic is checked against
+the ledger of the engine's own stage 2.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from zeroedu.grading.learner_code import _itemsize, _learner_or, first_stub
+from zeroedu.grading.remote import in_kernel
+from zeroedu.grading.stage1_sharding import ShardedRun
+from zeroedu.grading.training import Case, train_on_ranks
+from zeroedu.stages import Stage2
+
+
+class _FreedGrads:
+    """Notes, after every backward, which full-size gradients (param.grad) are still held."""
+
+    def after_backward(self) -> None:
+        super().after_backward()
+        self.wait()
+        held = [self.names[p] for p in self.layout.params if p.grad is not None]
+        self.__dict__.setdefault("held_grads", []).append(held)
+
+
+def _held(engine: Any, case: Case) -> dict:
+    return {"held_grads": getattr(engine, "held_grads", [])}
+
+
+class Stage2Run(ShardedRun):
+    def check_freed(self) -> None:
+        """After each backward no full-size gradient is left: a bucket's .grad are freed once copied."""
+        self.ran()
+        for i, case in enumerate(self.cases):
+            if case.engine != "yours":
+                continue
+            for k, held in enumerate(self.ranks[i][0]["held_grads"]):
+                if held:
+                    raise AssertionError(
+                        f"{case.name}: after backward {k}, {len(held)} parameter(s) still hold a full gradient "
+                        f"({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}). Stage 2 keeps no full-size "
+                        "gradient: once a bucket's gradients are copied into the bucket buffer, set each "
+                        "param.grad = None.")
+
+    def measured_traffic(self, i: int) -> dict[str, int]:
+        """What rank 0's ledger shows per optimizer step (step 0) for the gradients: calls and bytes sent."""
+        k, _, sent = self.ledger_bytes(i, 0, 0, "reduce_scatter", "grads")
+        return {"reduce_scatters": k, "bytes_sent": sent}
+
+
+def run_stage2(cls: type, cases: list[Case]) -> Stage2Run:
+    """Train the learner's Stage2 subclass (cases with engine="zeroedu" train the engine's own Stage2)."""
+    stub = in_kernel(first_stub, cls, {"reduce_bucket": (None,)})
+    what = getattr(cls, "__name__", "your stage 2")
+    if stub is not None and any(c.engine == "yours" for c in cases):
+        return Stage2Run(what, cases, error=f"not implemented yet: {stub}")
+    run = train_on_ranks(_learner_or(Stage2, cls, _FreedGrads), cases, what=what, extra=_held)
+    return Stage2Run(run.what, run.cases, run.ranks, run.refs, run.error)
+
+
+def check_traffic_prediction(predict: Callable, run: Stage2Run) -> None:
+    """predict(numels, world_size, bucket_numel, accum, bytes_per_element) equals the live ledger of each case
+    that trained the engine's own stage (so that a mistake in your reduce_bucket does not show up here too)."""
+    run.ran()
+    for i, case in enumerate(run.cases):
+        if case.engine == "yours":
+            continue
+        row = run.ranks[i][0]
+        numels = [math.prod(shape) for b in row["layout"] for _, _, shape in b["params"]]
+        bucket = case.zero.get("reduce_bucket_size", 50_000_000)
+        elem = _itemsize(row["dtype"])
+        got = predict(numels, case.world_size, bucket, case.accum, elem)
+        want = run.measured_traffic(i)
+        if not isinstance(got, dict) or set(got) != set(want):
+            raise AssertionError(f"predict_grad_traffic returned {got!r}; return a dict with the keys "
+                                 f"{sorted(want)}.")
+        for key, value in want.items():
+            if got[key] != value:
+                raise AssertionError(
+                    f"{case.name}: you predicted {key} = {got[key]}, the ledger of a live run shows {value} "
+                    f"({len(numels)} parameters of {sum(numels)} elements, N = {case.world_size}, reduce_bucket_size "
+                    f"= {bucket}, {case.accum} micro-step(s), {elem} bytes per element). "
+                    + ("Count the buckets (greedy, in model order, a new one when the next parameter would not fit) "
+                       "and the micro-steps: stage 2 reduce-scatters every bucket at every micro-step."
+                       if key == "reduce_scatters" else
+                       "Each bucket is padded to a multiple of N and reduce-scattered once per micro-step; a rank "
+                       "sends (N-1)/N of it."))
