@@ -821,22 +821,24 @@ def test_a_script_piped_on_stdin_launches(tmp_path):
 
 
 def test_the_kernel_log_line_of_the_oom_killer_is_found():
+    from zeroedu.launch_diagnose import _kernel_kill_line, _kernel_log
+
     # the formats of mm/oom_kill.c (global and cgroup), as /dev/kmsg gives them after the "prio,seq,time,-;"
     lines = ["oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),task=python,pid=4242,uid=0",
              "Out of memory: Killed process 4242 (python) total-vm:9000kB, anon-rss:8000kB, file-rss:0kB, "
              "shmem-rss:0kB, UID:0 pgtables:40kB oom_score_adj:0",
              "Memory cgroup out of memory: Killed process 42421 (python) total-vm:1kB"]
-    assert L._kernel_kill_line(lines, 4242) == lines[1]
-    assert L._kernel_kill_line(lines, 42421) == lines[2]
-    assert L._kernel_kill_line(lines, 424) is None
+    assert _kernel_kill_line(lines, 4242) == lines[1]
+    assert _kernel_kill_line(lines, 42421) == lines[2]
+    assert _kernel_kill_line(lines, 424) is None
     if os.access("/dev/kmsg", os.R_OK):   # where the log is readable, it is really read
-        assert L._kernel_log(), "/dev/kmsg is readable but nothing was read from it"
+        assert _kernel_log(), "/dev/kmsg is readable but nothing was read from it"
 
 
 EXIT_RACE_SCRIPT = """
 import atexit, threading, time
-import sys, zeroedu.launch
-L = sys.modules["zeroedu.launch"]
+import sys, zeroedu.launch_rank
+L = sys.modules["zeroedu.launch_rank"]
 calls = []
 def slow_cleanup():
     calls.append(time.monotonic())

@@ -16,7 +16,8 @@ allgather_bucket_size left out gathers one reduce bucket at a time (DeepSpeed: p
 optimizer section gets Adam at lr 1e-3, and one without batch keys a micro-batch of 1 (DeepSpeed: no optimizer,
 and an error for the batch).
 
-To add a key: put it in its section's parser (and dataclass), or in _NOTED, _DEFAULT_ONLY or _REFUSED.
+To add a key: put it in its section's parser (and dataclass), or in zeroedu.ds_keys (NOTED, DEFAULT_ONLY
+or REFUSED).
 """
 
 from __future__ import annotations
@@ -28,175 +29,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from zeroedu.ds_keys import DEEPSPEED_OPTIMIZERS, DEPRECATED_OFFLOAD, NOTED, PIN_NOTE, auto_problem, classify
+
 
 class ConfigError(ValueError):
     """A config problem, with the key that caused it and what would fix it."""
-
-
-# Every DeepSpeed key zeroedu knows falls in one of four groups: implemented (parsed below), accepted with a note
-# (it changes nothing here, and the note says why), accepted at DeepSpeed's default value only, or refused with
-# the reason. A key in none of them is a typo, answered with the closest valid key.
-
-# Refused: real DeepSpeed settings outside what zeroedu implements, by section, with the reason.
-_OUT_OF_SCOPE_PARALLEL = "model parallelism, outside ZeRO's data parallelism (the only parallelism zeroedu teaches)"
-_NO_MONITOR = ("zeroedu has no monitor backends; engine.ledger, engine.memory() and engine.log_lines hold "
-               "what they would record")
-_RECIPE = "a training-recipe feature outside ZeRO"
-_REFUSED: dict[str, dict[str, str]] = {
-    "": {
-        "pipeline": "pipeline parallelism (DeepSpeed's PipelineModule) is " + _OUT_OF_SCOPE_PARALLEL,
-        "tensor_parallel": "tensor parallelism (AutoTP) is " + _OUT_OF_SCOPE_PARALLEL,
-        "sequence_parallel_size": "sequence parallelism (Ulysses) is " + _OUT_OF_SCOPE_PARALLEL,
-        "moe": "mixture-of-experts layers and expert parallelism are " + _OUT_OF_SCOPE_PARALLEL,
-        "compression_training": "model compression (quantization-aware training, pruning) is not part of ZeRO",
-        "quantize_training": "quantization-aware training is not part of ZeRO",
-        "weight_quantization": "weight quantization for inference is not part of ZeRO",
-        "sparse_attention": "sparse attention kernels are " + _RECIPE,
-        "data_efficiency": "data sampling and routing are " + _RECIPE,
-        "curriculum_learning": "curriculum learning is " + _RECIPE,
-        "progressive_layer_drop": "progressive layer dropping is " + _RECIPE,
-        "eigenvalue": "eigenvalue-based layer scheduling is " + _RECIPE,
-        "autotuning": ("the autotuner launches many experiments through DeepSpeed's launcher; `zeroedu plan` "
-                       "reasons about the same choices from the formulas"),
-        "elasticity": ("elastic training changes the batch with the world size; zeroedu's checkpoints reshard to "
-                       "any world size instead (zeroedu.checkpoint)"),
-        "flops_profiler": "zeroedu measures bytes, not FLOPs (torch.profiler counts FLOPs)",
-        "tensorboard": _NO_MONITOR, "wandb": _NO_MONITOR, "csv_monitor": _NO_MONITOR, "comet": _NO_MONITOR,
-        "amp": "NVIDIA Apex AMP is not used here: write 'bf16' or 'fp16' instead",
-        "fp8": "fp8 training needs Transformer Engine on recent GPUs",
-        "torch_autocast": "zeroedu casts the model to the compute dtype ('bf16'/'fp16') instead of autocasting",
-        "checkpoint": ("DeepSpeed's checkpoint-engine options; zeroedu's checkpoints are always sharded, atomic "
-                       "and resharding (zeroedu.checkpoint)"),
-        "hybrid_engine": "the RLHF hybrid engine switches to inference kernels, outside ZeRO training",
-        "compile": "torch.compile of the engine is not part of zeroedu",
-        "nebula": "Nebula is Azure's asynchronous checkpoint service",
-    },
-    "zero_optimization": {
-        "zenflow": ("ZenFlow (update the most important gradients on the device at once and the rest later on the "
-                    "CPU) changes the optimizer's schedule; zeroedu steps every parameter at every step"),
-        "mics_shard_size": "MiCS (sharding within sub-groups of ranks) is a different design from ZeRO's",
-        "mics_hierarchical_params_gather": "MiCS (sharding within sub-groups of ranks) is a different design",
-        "legacy_stage1": "the legacy stage-1 implementation does not exist here",
-        "use_multi_rank_bucket_allreduce": "a DeepSpeed-internal all-reduce variant",
-        "memory_efficient_linear": "zeroedu does not replace torch.nn.Linear's autograd function",
-        "zero_quantized_nontrainable_weights": "ZeRO++ here quantizes trainable weights only",
-        "stage3_module_granularity_threshold": "zeroedu's stage-3 unit is always one module's own parameters",
-        "grad_hooks": "zeroedu's gradient hooks are always on (every stage reduces from them)",
-    },
-    "fp16": {
-        "auto_cast": "zeroedu casts the model to fp16 instead of autocasting its inputs",
-        "fp16_master_weights_and_grads": "zeroedu keeps fp32 master weights (the K = 12 of the paper)",
-    },
-    "bf16": {"immediate_grad_update": "zeroedu accumulates gradients in the compute dtype until the step"},
-    "zero_optimization.offload_optimizer": {
-        "ratio": "partial optimizer offload (ZeRO-Offload++) is not implemented: the whole shard moves",
-    },
-    "zero_optimization.offload_param": {},
-}
-
-# Accepted at DeepSpeed's default value (then it asks for nothing zeroedu does not do); any other value is refused.
-_DEFAULT_ONLY: dict[str, dict[str, tuple[Any, str]]] = {
-    "": {
-        "prescale_gradients": (False, "zeroedu averages inside the collective, after summing"),
-        "gradient_predivide_factor": (1.0, "zeroedu averages inside the collective, after summing"),
-        "communication_data_type": (None, "zeroedu reduces gradients in the compute dtype"),
-        "sparse_gradients": (False, "zeroedu reduces dense gradients only"),
-        "seq_parallel_communication_data_type": (None, "sequence parallelism is not implemented"),
-        # deepspeed/runtime/constants.py, DATALOADER_DROP_LAST_DEFAULT
-        "dataloader_drop_last": (False, "the loader initialize(training_data=...) returns keeps a last, shorter "
-                                        "batch, as DeepSpeed's does by default"),
-    },
-    "zero_optimization": {
-        "ignore_unused_parameters": (True, "zeroedu always reduces zeros for a parameter without a gradient"),
-        "load_from_fp32_weights": (True, "zeroedu's checkpoints always restore the fp32 master weights"),
-        "allgather_partitions": (True, "zeroedu always all-gathers the updated parameters"),
-        "log_trace_cache_warnings": (False, "zeroedu's stage 3 re-records its trace only on the first step"),
-        # deepspeed/runtime/zero/config.py (0.19.8): parameter_alignment pads stage 1-2's flat buffers so that every
-        # parameter starts 16-byte aligned; use_all_reduce_for_fetch_params gathers stage 3's parameters with an
-        # all-reduce (twice an all-gather's bytes) to save the host's concatenation.
-        "parameter_alignment": (False, "zeroedu pads each bucket to a multiple of N, not each parameter to 16 bytes"),
-        "stage3_use_all_reduce_for_fetch_params": (False, "zeroedu gathers parameters with all-gather, the ZeRO "
-                                                          "paper's collective, at (N-1)/N of the bytes"),
-    },
-    "zero_optimization.offload_optimizer": {
-        "super_offload": (False, "SuperOffload is DeepSpeed's offload for Superchips (Grace Hopper's CPU and GPU "
-                                 "sharing one coherent memory); zeroedu's CPU tier is the ordinary one"),
-    },
-    "bf16": {"check_grad_overflow": (False, "bf16 steps are not checked for overflow here, as by default in "
-                                            "DeepSpeed")},
-}
-
-_REFUSED["bfloat16"] = _REFUSED["bf16"]           # DeepSpeed's older name for the section
-_DEFAULT_ONLY["bfloat16"] = _DEFAULT_ONLY["bf16"]
-
-# Accepted with a note: the key changes nothing here; the note says what it does in DeepSpeed and why.
-_GPU = "on a GPU machine"
-_NOTED: dict[str, dict[str, str]] = {
-    "": {
-        "aio": f"'aio' tunes libaio's NVMe reads and writes (block size, queue depth) {_GPU}; zeroedu's NVMe tier "
-               "uses ordinary file reads and writes",
-        "zero_allow_untested_optimizer": "zeroedu takes Adam, AdamW and SGD only; any other optimizer is an error",
-        "zero_force_ds_cpu_optimizer": "the CPU step is torch's own fused Adam here (DeepSpeed's CPUAdam is a "
-                                       "C++ extension)",
-    },
-    "zero_optimization": {
-        "round_robin_gradients": "with CPU offload DeepSpeed reorders a bucket's gradients so that every rank "
-                                 "copies an equal share to the host; here every rank's piece of every bucket is "
-                                 "already the same size (flat layout), so there is nothing to balance",
-        "elastic_checkpoint": "zeroedu's checkpoints load at any world size anyway (zeroedu.checkpoint)",
-        "stage3_max_reuse_distance": "not implemented: zeroedu releases a unit after its last use in forward and "
-                                     "gathers it again for backward (3 Psi per step); DeepSpeed keeps a parameter "
-                                     "gathered if it is used again within this many elements",
-        "stage3_model_persistence_threshold": "not applied: DeepSpeed caps the total elements kept whole by "
-                                              "stage3_param_persistence_threshold (no cap by default); here every "
-                                              "unit under that threshold stays whole, however many there are: "
-                                              "lower the threshold to keep fewer",
-        "cpu_offload_use_pin_memory": "DeepSpeed's deprecated 'cpu_offload_use_pin_memory' sets nothing in DeepSpeed "
-                                      "0.19.8 either; write 'pin_memory' inside offload_optimizer or offload_param "
-                                      f"(it matters {_GPU} only)",
-    },
-    "zero_optimization.offload_optimizer": {
-        "fast_init": f"'fast_init' speeds up creating the optimizer state on NVMe {_GPU}; the result is the same",
-        "pipeline_read": f"'pipeline_read' overlaps NVMe reads with the step {_GPU}; here reads are already "
-                         "overlapped with the previous sub-group's step",
-        "pipeline_write": f"'pipeline_write' overlaps NVMe writes with the step {_GPU}",
-        "pipeline": f"'pipeline' overlaps NVMe reads and writes with the step {_GPU}",
-        "cpuadam_cores_perc": ("'cpuadam_cores_perc' is the share of CPU cores DeepSpeed's CPUAdam uses with "
-                               "super_offload; the CPU step here is torch's fused Adam on torch's own threads"),
-    },
-    "zero_optimization.offload_param": {
-        "buffer_size": f"'buffer_size' sizes the pinned staging buffers for NVMe parameter reads {_GPU}",
-        "max_in_cpu": f"'max_in_cpu' keeps up to this many parameters in host memory before NVMe {_GPU}",
-    },
-}
-_PIN_NOTE = ("'{where}.pin_memory' page-locks the host buffers so copies to and from the GPU run at full PCIe "
-             "speed and overlap compute " + _GPU + "; on CPU ranks there is nothing to pin")
-
-# What the Hugging Face Trainer writes in place of "auto" (HF docs, "DeepSpeed" integration page).
-_AUTO_FILLS = {
-    "train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
-    "train_batch_size": "per_device_train_batch_size x gradient_accumulation_steps x world size",
-    "gradient_accumulation_steps": "--gradient_accumulation_steps",
-    "gradient_clipping": "--max_grad_norm (1.0 by default)",
-    "optimizer.params.lr": "--learning_rate", "optimizer.params.betas": "[--adam_beta1, --adam_beta2]",
-    "optimizer.params.eps": "--adam_epsilon", "optimizer.params.weight_decay": "--weight_decay",
-    "scheduler.params.warmup_min_lr": "0", "scheduler.params.warmup_max_lr": "--learning_rate",
-    "scheduler.params.warmup_num_steps": "--warmup_steps",
-    "scheduler.params.total_num_steps": "the number of optimizer steps the Trainer will take",
-    "fp16.enabled": "--fp16", "bf16.enabled": "--bf16",
-    "zero_optimization.reduce_bucket_size": "hidden_size x hidden_size",
-    "zero_optimization.stage3_prefetch_bucket_size": "0.9 x hidden_size x hidden_size",
-    "zero_optimization.stage3_param_persistence_threshold": "10 x hidden_size",
-}
-
-
-def _auto_problem(where: str, fill: str | None = None) -> str:
-    if fill is None and where.startswith("activation_checkpointing."):
-        fill = ("nothing: it fills no activation_checkpointing key, so write true or false (a count for "
-                "number_checkpoints)")
-    fill = fill or _AUTO_FILLS.get(where, "the value you mean")
-    return (f"'{where}' is \"auto\": a placeholder that the Hugging Face Trainer replaces before DeepSpeed reads "
-            f"the config. Outside the Trainer, write the value yourself (the Trainer would write {fill}).")
 
 
 class _Problems:
@@ -212,7 +49,7 @@ class _Problems:
             return default
         value = raw[key]
         if isinstance(value, str) and value == "auto":
-            self.errors.append(_auto_problem(_where(section, key)))
+            self.errors.append(auto_problem(_where(section, key)))
             return default
         if check is None:
             return value
@@ -228,28 +65,16 @@ class _Problems:
             if key in known:
                 continue
             where = _where(section, key)
-            if isinstance(value, str) and value == "auto" and key in _DEFAULT_ONLY.get(section, {}):
-                default = json.dumps(_DEFAULT_ONLY[section][key][0])
-                self.errors.append(_auto_problem(where, f"{default}, DeepSpeed's default, the one value zeroedu "
-                                                        "takes here"))
-            elif key in _NOTED.get(section, {}):
-                self.notes.append(_NOTED[section][key])
-            elif key in _DEFAULT_ONLY.get(section, {}):
-                default, reason = _DEFAULT_ONLY[section][key]
-                if value != default:
-                    self.errors.append(f"'{where}' is a real DeepSpeed setting that zeroedu does not implement "
-                                       f"other than at its default {json.dumps(default)}: {reason}. Remove it or "
-                                       f"set it to {json.dumps(default)}.")
-            elif key in _REFUSED.get(section, {}):
-                if value is None or isinstance(value, dict) and value.get("enabled") is False:
-                    continue  # a feature switched off (or null, DeepSpeed's "not set") asks for nothing
-                self.errors.append(f"'{where}' is a real DeepSpeed setting that zeroedu does not implement: "
-                                   f"{_REFUSED[section][key]}. Remove it to run here.")
-            else:
+            said = classify(section, key, value, where)   # zeroedu.ds_keys: a DeepSpeed key not implemented here
+            if said is None:
                 close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.5)
                 hint = f" Did you mean '{_where(section, close[0])}'?" if close else ""
                 self.errors.append(f"unknown config key '{where}'.{hint} Valid keys here: "
                                    f"{', '.join(sorted(known))}.")
+            elif said[0] == "error":
+                self.errors.append(said[1])
+            elif said[0] == "note":
+                self.notes.append(said[1])
 
     def section(self, raw: dict[str, Any], key: str, parent: str = "") -> dict[str, Any]:
         value = raw.get(key, {})
@@ -276,8 +101,6 @@ _OPTIMIZERS = {
 # DeepSpeed's own spellings in an Adam section: adam_w_mode (Adam's weight decay is decoupled unless it is false),
 # torch_adam (use torch's kernel: zeroedu always does), bias_correction (always on in torch).
 _ADAM_EXTRAS = {"adam_w_mode", "torch_adam", "bias_correction"}
-_DEEPSPEED_OPTIMIZERS = {"OneBitAdam", "OneBitLamb", "ZeroOneAdam", "Lamb", "Lion", "MuAdam", "MuAdamW", "MuSGD",
-                         "Muon", "Adagrad", "CPUAdam", "FusedAdam"}
 
 
 @dataclass(frozen=True)
@@ -586,9 +409,9 @@ def _parse_optimizer(p: _Problems, raw: dict[str, Any]) -> OptimizerConfig:
     p.keys(s, raw, {"type", "params"})
     kind = raw.get("type", "Adam")
     if kind == "auto":
-        p.errors.append(_auto_problem("optimizer.type", "\"AdamW\", its default optimizer"))
+        p.errors.append(auto_problem("optimizer.type", "\"AdamW\", its default optimizer"))
         return OptimizerConfig()
-    if kind in _DEEPSPEED_OPTIMIZERS:
+    if kind in DEEPSPEED_OPTIMIZERS:
         reason = ("communication-compressed (1-bit) optimizers are not part of ZeRO" if "One" in str(kind)
                   else "zeroedu implements torch's Adam, AdamW and SGD")
         p.errors.append(f"'optimizer.type' {kind!r} is a DeepSpeed optimizer that zeroedu does not implement: "
@@ -646,7 +469,7 @@ def _parse_scheduler(p: _Problems, raw: dict[str, Any]) -> SchedulerConfig | Non
     p.keys(s, raw, {"type", "params"})
     kind = raw.get("type")
     if kind == "auto":
-        p.errors.append(_auto_problem("scheduler.type", "\"WarmupDecayLR\" for its linear warmup and decay; the "
+        p.errors.append(auto_problem("scheduler.type", "\"WarmupDecayLR\" for its linear warmup and decay; the "
                                                         "others are " + ", ".join(schedulers.PARAMS)))
         return None
     if kind not in schedulers.PARAMS:
@@ -693,6 +516,18 @@ def _parse_fp16(p: _Problems, raw: dict[str, Any]) -> FP16Config:
     )
 
 
+def _parse_bf16(p: _Problems, config: dict[str, Any]) -> BF16Config:
+    # "bfloat16" is DeepSpeed's older name for the section; DeepSpeed reads it only when "bf16" is absent
+    # (get_bfloat16_config in deepspeed/runtime/precision_config.py), and so does zeroedu.
+    bf16_key = "bfloat16" if "bfloat16" in config and "bf16" not in config else "bf16"
+    if "bfloat16" in config:
+        p.notes.append("'bfloat16' is DeepSpeed's older name for 'bf16': " + (
+            "read as 'bf16'." if bf16_key == "bfloat16" else "ignored, since 'bf16' is given (as DeepSpeed does)."))
+    bf16_raw = p.section(config, bf16_key)
+    p.keys(bf16_key, bf16_raw, {"enabled"})
+    return BF16Config(enabled=p.get(bf16_key, bf16_raw, "enabled", False, _bool))
+
+
 def _parse_comms_logger(p: _Problems, raw: dict[str, Any]) -> CommsLoggerConfig:
     s = "comms_logger"
     p.keys(s, raw, {"enabled", "verbose", "prof_all", "prof_ops", "debug"})
@@ -717,7 +552,7 @@ def _parse_offload(p: _Problems, section: str, raw: dict[str, Any], buffer_count
         p.errors.append(f"'{section}.device' is 'nvme' but '{section}.nvme_path' is not set: name a folder.")
     pin = p.get(section, raw, "pin_memory", False, _bool)
     if pin:
-        p.notes.append(_PIN_NOTE.format(where=section))
+        p.notes.append(PIN_NOTE.format(where=section))
     return OffloadConfig(device=device, pin_memory=pin, nvme_path=nvme_path,
                          buffer_count=p.get(section, raw, "buffer_count", buffer_count, _int, 1))
 
@@ -729,7 +564,7 @@ def _parse_zero(p: _Problems, raw: dict[str, Any]) -> ZeroConfig:
         "reduce_scatter", "sub_group_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
         "stage3_max_live_parameters", "stage3_gather_16bit_weights_on_model_save",
         "stage3_gather_fp16_weights_on_model_save", "offload_optimizer", "offload_param", "zero_quantized_weights",
-        "zero_quantized_gradients", "zero_hpz_partition_size", *_DEPRECATED_OFFLOAD,
+        "zero_quantized_gradients", "zero_hpz_partition_size", *DEPRECATED_OFFLOAD,
     }
     p.keys(s, raw, known)
     stage = p.get(s, raw, "stage", d.stage, _int, 0, 3)
@@ -753,24 +588,8 @@ def _parse_zero(p: _Problems, raw: dict[str, Any]) -> ZeroConfig:
     gather16 = p.get(s, raw, "stage3_gather_fp16_weights_on_model_save", gather16, _bool)   # the older spelling
     round_robin = p.get(s, raw, "round_robin_gradients", False, _bool)
     if round_robin:
-        p.notes.append(_NOTED[s]["round_robin_gradients"])
-    if stage == 3 and "allgather_bucket_size" in raw:
-        p.notes.append(f"'{s}.allgather_bucket_size' is for stages 1-2; stage 3 gathers parameters unit by unit, "
-                       "sized by stage3_prefetch_bucket_size.")
-    if stage == 0 and raw.get("reduce_scatter") is False:
-        p.notes.append(f"'{s}.reduce_scatter' false changes nothing at stage 0, which all-reduces anyway.")
-    if stage < 2 and p.get(s, raw, "contiguous_gradients", True, _bool) is False:
-        p.notes.append(f"'{s}.contiguous_gradients' false changes nothing at stage {stage}: stages 0-1 keep the "
-                       "gradients in one flat buffer, which is contiguous by construction.")
-    elif raw.get("contiguous_gradients") is False:
-        p.notes.append(f"'{s}.contiguous_gradients' false changes nothing at stage {stage}: zeroedu copies each "
-                       "bucket's gradients into a buffer made for that bucket and freed once it is reduced, with the "
-                       "switch on or off (DeepSpeed, with it false, reduces the gradients where they lie instead of "
-                       "copying them into one preallocated buffer).")
-    if "sub_group_size" in raw and off_opt.device != "none":
-        p.notes.append(f"'{s}.sub_group_size' is not applied with offload_optimizer: the host step runs over the "
-                       "whole shard at once (the NVMe tier moves one bucket's piece at a time, whatever this says). "
-                       "DeepSpeed reads it at stage 3 (ZeRO-3 Offload and ZeRO-Infinity) only.")
+        p.notes.append(NOTED[s]["round_robin_gradients"])
+    _zero_notes(p, raw, stage, off_opt)
     return ZeroConfig(
         stage=stage,
         reduce_bucket_size=p.get(s, raw, "reduce_bucket_size", None, _size, 1),
@@ -793,16 +612,32 @@ def _parse_zero(p: _Problems, raw: dict[str, Any]) -> ZeroConfig:
     )
 
 
-# DeepSpeed 0.19.8 still maps these deprecated keys (deepspeed/runtime/zero/config.py: cpu_offload ->
-# offload_optimizer, cpu_offload_param -> offload_param, each {"device": "cpu"} when true); so does zeroedu, with a
-# note.
-_DEPRECATED_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+def _zero_notes(p: _Problems, raw: dict[str, Any], stage: int, off_opt: OffloadConfig) -> None:
+    """The zero_optimization keys that are valid but change nothing at this stage or with this offload: a note each."""
+    s = "zero_optimization"
+    if stage == 3 and "allgather_bucket_size" in raw:
+        p.notes.append(f"'{s}.allgather_bucket_size' is for stages 1-2; stage 3 gathers parameters unit by unit, "
+                       "sized by stage3_prefetch_bucket_size.")
+    if stage == 0 and raw.get("reduce_scatter") is False:
+        p.notes.append(f"'{s}.reduce_scatter' false changes nothing at stage 0, which all-reduces anyway.")
+    if stage < 2 and p.get(s, raw, "contiguous_gradients", True, _bool) is False:
+        p.notes.append(f"'{s}.contiguous_gradients' false changes nothing at stage {stage}: stages 0-1 keep the "
+                       "gradients in one flat buffer, which is contiguous by construction.")
+    elif raw.get("contiguous_gradients") is False:
+        p.notes.append(f"'{s}.contiguous_gradients' false changes nothing at stage {stage}: zeroedu copies each "
+                       "bucket's gradients into a buffer made for that bucket and freed once it is reduced, with the "
+                       "switch on or off (DeepSpeed, with it false, reduces the gradients where they lie instead of "
+                       "copying them into one preallocated buffer).")
+    if "sub_group_size" in raw and off_opt.device != "none":
+        p.notes.append(f"'{s}.sub_group_size' is not applied with offload_optimizer: the host step runs over the "
+                       "whole shard at once (the NVMe tier moves one bucket's piece at a time, whatever this says). "
+                       "DeepSpeed reads it at stage 3 (ZeRO-3 Offload and ZeRO-Infinity) only.")
 
 
 def _map_deprecated_offload(p: _Problems, raw: dict[str, Any]) -> dict[str, Any]:
     s = "zero_optimization"
     out = dict(raw)
-    for old, new in _DEPRECATED_OFFLOAD.items():
+    for old, new in DEPRECATED_OFFLOAD.items():
         if old not in out:
             continue
         value = p.get(s, out, old, None, _bool)
@@ -851,15 +686,7 @@ def load_config(config: dict[str, Any] | str | os.PathLike | Config | None) -> C
     p.keys("", config, _TOP)
 
     fp16 = _parse_fp16(p, p.section(config, "fp16"))
-    # "bfloat16" is DeepSpeed's older name for the section; DeepSpeed reads it only when "bf16" is absent
-    # (get_bfloat16_config in deepspeed/runtime/precision_config.py), and so does zeroedu.
-    bf16_key = "bfloat16" if "bfloat16" in config and "bf16" not in config else "bf16"
-    if "bfloat16" in config:
-        p.notes.append("'bfloat16' is DeepSpeed's older name for 'bf16': " + (
-            "read as 'bf16'." if bf16_key == "bfloat16" else "ignored, since 'bf16' is given (as DeepSpeed does)."))
-    bf16_raw = p.section(config, bf16_key)
-    p.keys(bf16_key, bf16_raw, {"enabled"})
-    bf16 = BF16Config(enabled=p.get(bf16_key, bf16_raw, "enabled", False, _bool))
+    bf16 = _parse_bf16(p, config)
     if fp16.enabled and bf16.enabled:
         p.errors.append("'fp16.enabled' and 'bf16.enabled' are both true: choose one precision.")
 
