@@ -1,4 +1,4 @@
-"""Offload (zeroedu/offload.py): CPU and NVMe tiers, on real gloo ranks and real files.
+"""Offload (zeroedu/offload/): CPU and NVMe tiers, on real gloo ranks and real files.
 
 References, none taken from the code under test: the same training without offload (bit for bit: offload
 changes where the bytes live, never the arithmetic, when the host runs torch's fused Adam, which is what the
@@ -35,7 +35,7 @@ import pytest
 import torch
 
 import zeroedu
-from zeroedu import offload
+from zeroedu import bench, offload
 from zeroedu.launch import RankError
 
 from reference import param_rel, rel, single_process
@@ -613,7 +613,7 @@ def test_live_owners_folder_is_kept(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_cpu_adam_implementations_agree():
-    speed = offload.cpu_adam_speed(numel=200_000, pieces=4, repeats=2)
+    speed = bench.cpu_adam_speed(numel=200_000, pieces=4, repeats=2)
     assert set(speed) == {"loop", "foreach", "fused"}
     assert speed["foreach"]["max_abs_diff_vs_loop"] == 0.0
     assert speed["fused"]["max_abs_diff_vs_loop"] < 1e-6

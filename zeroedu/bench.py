@@ -14,6 +14,9 @@ with the order alternating, whatever going first costs or gains cancels out over
 
 Times are wall clock of the backend in use (gloo on this machine's CPU): gloo timings say nothing about NCCL
 on GPUs. With a GPU per rank, zeroedu.launch picks NCCL and both sides run on the GPUs.
+
+`cpu_adam_speed` times torch's three CPU Adam implementations, the choice zeroedu.offload.CPU_ADAM makes for the
+host step (notebook 08 shows it).
 """
 
 from __future__ import annotations
@@ -485,6 +488,36 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nratio = zeroedu step time / peer step time (below 1.0: zeroedu is faster), {rows[0]['device']}: "
           "gloo timings on a CPU say nothing about NCCL on GPUs.")
     return 0
+
+
+# -- the host step's CPU Adam (zeroedu.offload.CPU_ADAM) -----------------------------------------------------------
+def cpu_adam_speed(numel: int = 4_000_000, pieces: int = 8, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """Time one Adam step over `numel` fp32 parameters (in `pieces` tensors) for each CPU implementation.
+
+    The implementations take turns, step by step, so that a busy machine slows them alike; each keeps its
+    fastest step. Returns {impl: {"seconds", "params_per_s", "max_abs_diff_vs_loop"}}: all start from the same
+    weights and gradients, so the last number says how far each drifts from the loop (rounding only).
+    """
+    impls = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+    opts, params = {}, {}
+    for impl, flags in impls.items():
+        g = torch.Generator().manual_seed(0)
+        tensors = [torch.nn.Parameter(torch.randn(numel // pieces, generator=g)) for _ in range(pieces)]
+        for p in tensors:
+            p.grad = torch.randn(p.shape, generator=g)
+        opts[impl] = torch.optim.Adam(tensors, lr=1e-3, **flags)
+        params[impl] = [p.detach() for p in tensors]   # views: they follow the steps
+        opts[impl].step()            # creates the state: not part of the timing
+    best = dict.fromkeys(impls, float("inf"))
+    for _ in range(repeats):
+        for impl, opt in opts.items():
+            t0 = time.perf_counter()
+            opt.step()
+            best[impl] = min(best[impl], time.perf_counter() - t0)
+    return {impl: {"seconds": best[impl], "params_per_s": numel / best[impl],
+                   "max_abs_diff_vs_loop": max(float((a - b).abs().max()) for a, b in
+                                               zip(params[impl], params["loop"], strict=True))}
+            for impl in impls}
 
 
 # -- offload rows (`zeroedu bench --offload`) ------------------------------------------------------------------

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from zeroedu import theory
+from zeroedu import links, theory
 from zeroedu.fmt import fmt_bytes
 
 GB = theory.GB
@@ -43,19 +43,21 @@ class Link:
                 f"({self.source})")
 
 
-# Nominal figures, one direction. Bandwidths are the vendors' peak numbers; achieved bus bandwidth is
-# typically 70-90% of them. The alphas are orders of magnitude of a collective's per-step latency, not
-# vendor figures: calibrate both with measurements (`calibrate`) when the answer depends on them.
+# Nominal figures, one direction. Bandwidths are the vendors' peak numbers, kept with their sources in
+# zeroedu.links (offload's table uses the same ones); achieved bus bandwidth is typically 70-90% of them. The
+# alphas are orders of magnitude of a collective's per-step latency, not vendor figures: calibrate both with
+# measurements (`calibrate`) when the answer depends on them.
 LINKS: dict[str, Link] = {
-    "nvlink": Link("nvlink", 5e-6, 300e9,
+    "nvlink": Link("nvlink", 5e-6, links.NVLINK3,
                    "NVIDIA A100 datasheet: NVLink 3 = 600 GB/s per GPU, both directions together"),
-    "pcie": Link("pcie", 10e-6, 31.5e9,
+    "pcie": Link("pcie", 10e-6, links.PCIE4_X16,
                  "PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b coding = 31.5 GB/s (PCI-SIG)"),
-    "infiniband": Link("infiniband", 10e-6, 200e9,
+    "infiniband": Link("infiniband", 10e-6, links.INFINIBAND_NODE,
                        "per node: 8 x 200 Gb/s HDR InfiniBand ports for compute traffic (NVIDIA DGX A100 "
                        "user guide) = 200 GB/s"),
-    "ethernet": Link("ethernet", 50e-6, 12.5e9, "per node: one 100 Gb/s Ethernet port (IEEE 802.3) = 12.5 GB/s"),
-    "nvme": Link("nvme", 100e-6, 6e9,
+    "ethernet": Link("ethernet", 50e-6, links.ETHERNET_NODE,
+                     "per node: one 100 Gb/s Ethernet port (IEEE 802.3) = 12.5 GB/s"),
+    "nvme": Link("nvme", 100e-6, links.NVME_PCIE4_WRITE,   # one beta for both directions: the slower one
                  "one PCIe 4.0 x4 NVMe SSD per GPU: ~7 GB/s sequential read, ~6 GB/s write (vendor datasheets)"),
 }
 INTRA_DEFAULT, INTER_DEFAULT, HOST_DEFAULT, NVME_DEFAULT = "nvlink", "infiniband", "pcie", "nvme"

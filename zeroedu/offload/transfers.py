@@ -1,0 +1,97 @@
+"""Moving bytes between tiers, each move a ledger entry: copies between device and host (op "d2h", "h2d") and
+reads and writes of swap files (op "nvme2h", "h2nvme"), all with kind "offload".
+
+TransferMixin holds them for OffloadMixin: `transfer` (a copy, on a CUDA side stream where there is a GPU),
+`sync_transfers`, `_file_io` and `_wait_io` (the NVMe I/O thread's queued writes), and `_folder`, which opens the
+swap folder of an nvme_path and starts that I/O thread. LINKS and transfer_seconds turn a step's bytes into time.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from zeroedu import links
+from zeroedu.comm import LedgerEntry
+from zeroedu.offload.swap import SwapFile, SwapFolder
+
+# Peak bandwidth per direction, bytes/s, for the "a step's transfer bytes -> time" arithmetic: host links (PCIe
+# x16) and drives (NVMe SSDs). The figures and their sources are in zeroedu.links, shared with zeroedu.planner.
+LINKS = {
+    "PCIe 3.0 x16": links.PCIE3_X16,
+    "PCIe 4.0 x16": links.PCIE4_X16,
+    "PCIe 5.0 x16": links.PCIE5_X16,
+    "NVMe SSD, PCIe 4.0 x4 (read)": links.NVME_PCIE4_READ,
+    "NVMe SSD, PCIe 4.0 x4 (write)": links.NVME_PCIE4_WRITE,
+    "NVMe SSD, PCIe 5.0 x4 (read)": links.NVME_PCIE5_READ,
+}
+
+
+def transfer_seconds(nbytes: int, link: str) -> float:
+    """Time to move nbytes at a link's peak bandwidth (LINKS): a lower bound, no latency or contention."""
+    return nbytes / LINKS[link]
+
+
+class TransferMixin:
+    """Copies and file I/O for OffloadMixin, each one a ledger entry; the state they use is made in its setup."""
+
+    # -- the swap folder of an nvme_path, and the one I/O thread ---------------------------------------------------
+    def _folder(self, oc, key: str, need: int) -> SwapFolder:
+        """The swap folder of oc.nvme_path (made on first use, with the I/O thread every swap file uses)."""
+        if oc.nvme_path not in self._folders:
+            self._folders[oc.nvme_path] = SwapFolder(oc.nvme_path, key, self.rank, need)
+            self.nvme_removed += self._folders[oc.nvme_path].removed
+            self._io = self._io or ThreadPoolExecutor(1, thread_name_prefix="zeroedu-nvme")   # FIFO: one worker
+        return self._folders[oc.nvme_path]
+
+    # -- copies and files, each one a ledger entry ---------------------------------------------------------------
+    def _record(self, op: str, t: torch.Tensor, nbytes: int, wall0: float, seconds: float, impl: str,
+                phase: str | None = None, step: int | None = None) -> LedgerEntry:
+        return self.comm.ledger.note(op, phase or self.comm.phase, "offload",
+                                     self.global_step if step is None else step, t, group=(self.global_rank,),
+                                     sent_bytes=nbytes, impl=impl, seconds=seconds, start=wall0)
+
+    def transfer(self, dst: torch.Tensor, src: torch.Tensor, op: str, phase: str | None = None,
+                 step: int | None = None, sync: bool = False) -> None:
+        """dst.copy_(src) between device and host, recorded. CUDA: on the side stream, returns before it is done
+        unless sync (call sync_transfers before reading dst). CPU: the device is the host, a memcpy."""
+        nbytes = src.numel() * src.element_size()
+        wall0, t0 = time.time(), time.perf_counter()
+        if self._stream is None:
+            dst.copy_(src)
+            self._record(op, src, nbytes, wall0, time.perf_counter() - t0, "memcpy", phase, step)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))   # src is ready on the compute stream
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self._stream):
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+        entry = self._record(op, src, nbytes, wall0, 0.0, "cuda_side_stream", phase, step)
+        with self._lock:
+            self._copies.append((entry, start, end, src, dst))   # keeps both alive until the copy is done
+        if sync:
+            end.synchronize()
+
+    def sync_transfers(self) -> None:
+        if self._stream is None:
+            return
+        self._stream.synchronize()
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        with self._lock:
+            for entry, start, end, *_ in self._copies:
+                entry.seconds = start.elapsed_time(end) / 1e3
+            self._copies.clear()
+
+    def _file_io(self, op: str, f: SwapFile, offset: int, t: torch.Tensor, phase: str | None = None,
+                 step: int | None = None) -> None:
+        wall0, t0 = time.time(), time.perf_counter()
+        nbytes = f.write(offset, t) if op == "h2nvme" else f.read(offset, t)
+        self._record(op, t, nbytes, wall0, time.perf_counter() - t0, "file", phase, step)
+
+    def _wait_io(self) -> None:
+        pending, self._io_pending = self._io_pending, []
+        for fut in pending:
+            fut.result()
