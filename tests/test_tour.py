@@ -25,13 +25,14 @@ def test_bench_runs_every_stage_against_its_peer():
     """`zeroedu bench` on a tiny workload: every pair runs, timed rounds are paired, zeroedu's model states
     and ledger bytes per step equal theory (the times themselves are not checked: they belong to benchmarks)."""
     from zeroedu import bench, theory
+    from zeroedu.bench import pairs
     from zeroedu.models import TinyGPT
 
     rows = bench.run(world_size=2, d_model=32, layers=1, rounds=2, warmup=1, micro_batch=2,
                      zero={"stage3_param_persistence_threshold": 0})
     assert [(r["stage"], r["peer"].split()[0]) for r in rows] == [
         (0, "DDP"), (1, "ZeroRedundancyOptimizer"), (2, "FSDP2"), (3, "FSDP2")]
-    sizes = [p.numel() for p in dict.fromkeys(TinyGPT(bench._workload(32, 1), seed=0).parameters())]
+    sizes = [p.numel() for p in dict.fromkeys(TinyGPT(pairs._workload(32, 1), seed=0).parameters())]
     psi = sum(sizes)
     assert all(n % 2 == 0 for n in sizes)   # no padding at N = 2, whatever the buckets
     for r in rows:

@@ -191,7 +191,7 @@ def fsdp2_side_by_side(rank: int, world: int, sizes: tuple[int, ...] = (32, 256,
     it and at its peak (torch's MemTracker, as zeroedu.bench measures its peers), and the model states."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from zeroedu.bench import _peer_owned, live_bytes
+    from zeroedu.bench.pairs import _peer_owned, live_bytes
     from zeroedu.memory import MODEL_STATES, resident
     from zeroedu.models import MLP, mlp_batch, mlp_loss, shard_batch
 
