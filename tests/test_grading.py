@@ -12,6 +12,10 @@ import io
 import json
 import os
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -855,3 +859,29 @@ def test_sandboxed_kernels_are_interrupted_and_killed_like_trusted_ones(tmp_path
     for r in (loops, bob):   # the cells after the loop ran: model_state_bytes exists, its stage checks pass
         assert {t.grade_id for t in r.tests if t.passed} >= {"ex01-hidden-errors"}, [(t.grade_id, t.message)
                                                                                       for t in r.tests]
+
+
+@needs_sandbox
+def test_a_course_cloned_under_tmp_is_readable_in_the_sandbox(tmp_path, monkeypatch):
+    """The sandbox mounts an empty /tmp; what the kernel needs from under /tmp (the package, when the course was
+    cloned there into an ordinary 0755 folder: a fresh clone's CI run failed on it) is bound back read-only,
+    and nothing else of /tmp is."""
+    course = Path(tempfile.mkdtemp(prefix="zeroedu-course-", dir="/tmp"))
+    neighbour = Path(tempfile.mkdtemp(prefix="zeroedu-other-", dir="/tmp"))
+    try:
+        os.chmod(course, 0o755)
+        os.chmod(neighbour, 0o755)
+        (course / "lib.py").write_text("VALUE = 42\n")
+        (neighbour / "secret.txt").write_text("nope\n")
+        monkeypatch.setenv("PYTHONPATH", str(course))    # _needed() binds PYTHONPATH as it binds the package
+        box = sandbox.Sandbox(tmp_path / "work", tmp_path / "ipc", tmp_path / "config.json")
+        (tmp_path / "work").mkdir()
+        (tmp_path / "config.json").write_text("{}")
+        box.prepare()
+        probe = f"import os, lib; print(lib.VALUE, os.path.exists({str(neighbour / 'secret.txt')!r}))"
+        cmd = box.command([sys.executable, "-c", probe])
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=box.env(dict(os.environ)))
+        assert out.stdout.split() == ["42", "False"], (out.stdout, out.stderr)
+    finally:
+        shutil.rmtree(course, ignore_errors=True)
+        shutil.rmtree(neighbour, ignore_errors=True)

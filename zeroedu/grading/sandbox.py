@@ -112,8 +112,7 @@ class Sandbox:
             raise RuntimeError(f"bubblewrap is not installed: {INSTALL_HINT}")
         args = [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs",
                 "/dev/shm", "--perms", "1777", "--tmpfs", "/tmp", "--perms", "0755", "--tmpfs", "/run"]
-        if os.geteuid() == 0:
-            args += _reachable(_needed())
+        args += _reachable(_needed(), closed_parents=os.geteuid() == 0)
         for path in self.hidden:   # after the binds above: a folder bound back (a course under /tmp) stays hidden
             if path.is_dir():
                 args += ["--tmpfs", str(path)]
@@ -154,6 +153,9 @@ class Sandbox:
         return km
 
 
+FRESH_TMPFS = (Path("/tmp"), Path("/run"), Path("/dev/shm"))   # Sandbox.command mounts an empty tmpfs on each
+
+
 def _needed() -> list[Path]:
     """What the kernel must read: Python, the environment, zeroedu, PYTHONPATH."""
     from zeroedu.grading.build import ROOT
@@ -163,15 +165,20 @@ def _needed() -> list[Path]:
     return [p.resolve() for p in paths if p.exists()]
 
 
-def _reachable(paths: list[Path]) -> list[str]:
-    """bwrap arguments that let an unprivileged user reach `paths` when a folder above one is closed to others
-    (Python under /root, mode 700): that folder becomes an empty tmpfs with just those paths bound into it,
-    read-only. Everything else in it (root's home) stays out of sight."""
+def _reachable(paths: list[Path], closed_parents: bool = True) -> list[str]:
+    """bwrap arguments that let the kernel read `paths`, read-only, where the sandbox would hide them:
+    - under /tmp, /run or /dev/shm, which the sandbox replaces with empty tmpfs (a course cloned under /tmp);
+    - with closed_parents (the kernel runs as another user), below a folder closed to others (Python under
+      /root, mode 700): that folder becomes an empty tmpfs with just those paths bound into it.
+    Everything else in such a folder (root's home, the rest of /tmp) stays out of sight."""
     args: list[str] = []
     for path in paths:
+        if path in FRESH_TMPFS:   # never the whole of /tmp: only folders in it
+            continue
         for above in reversed([path, *path.parents]):
-            if above != Path("/") and not above.stat().st_mode & 0o001:
-                if str(above) not in args:
+            fresh = above in FRESH_TMPFS   # already an empty tmpfs in the sandbox
+            if above != Path("/") and (fresh or (closed_parents and not above.stat().st_mode & 0o001)):
+                if not fresh and str(above) not in args:
                     args += ["--perms", "0755", "--tmpfs", str(above)]
                 for middle in reversed(path.parents):   # bwrap would make these 0700
                     if above in middle.parents:
