@@ -118,14 +118,26 @@ def interview_measure(engine) -> dict:
     mem = engine.memory()
     return {"resident": mem["resident"], "tiers": mem["tiers"], "per_step": engine.ledger.per_step(1),
             "offload": engine.ledger.per_step(1, kinds=("offload",)),
-            "layout": [b.numel for b in engine.layout.buckets], "psi": engine.layout.numel}
+            "layout": [b.numel for b in engine.layout.buckets], "psi": engine.layout.numel,
+            "bucket_bytes_high": getattr(engine, "bucket_bytes_high", 0)}   # stages 2-3: most bucket bytes alive
 
 
-def _run(stage: int, rank: int, world_size: int, steps: int = 3, **kw) -> tuple:
+def _run(stage: int, rank: int, world_size: int, steps: int = 3, buckets: dict | None = None, **kw) -> tuple:
+    """`buckets`: zero_optimization keys that replace the notebook's tuned bucket size (None: leave it out)."""
     import zeroedu
     from zeroedu.models import TinyGPT
-    engine, *_ = zeroedu.initialize(model=TinyGPT(seed=0), config=interview_config(stage, world_size, **kw))
+    config = interview_config(stage, world_size, **kw)
+    if buckets is not None:
+        zero = {k: v for k, v in config["zero_optimization"].items() if k != "reduce_bucket_size"}
+        config["zero_optimization"] = {**zero, **{k: v for k, v in buckets.items() if v is not None}}
+    engine, *_ = zeroedu.initialize(model=TinyGPT(seed=0), config=config)
     return engine, interview_train(engine, rank, world_size, steps)
+
+
+# Stage 1 and 2 with the bucket size left out (zeroedu's default), and stage 2 at DeepSpeed's 5e8; overlap_comm
+# off, DeepSpeed's stage-2 default, so that one bucket buffer is alive at a time.
+DEFAULT_BUCKET_RUNS = {"stage 1, no size": (1, None), "stage 2, no size": (2, None),
+                       "stage 2, 5e8 (DeepSpeed's default)": (2, 500_000_000)}
 
 
 def interview_four_ranks(rank: int, world_size: int, ckpt: str) -> dict:
@@ -135,6 +147,8 @@ def interview_four_ranks(rank: int, world_size: int, ckpt: str) -> dict:
     out["offload"] = interview_measure(_run(2, rank, world_size, offload=True)[0])
     out["offload3"] = interview_measure(_run(3, rank, world_size, offload=True, offload_param=True)[0])
     out["accum4"] = interview_measure(_run(2, rank, world_size, accum=4)[0])
+    out["default_buckets"] = {name: interview_measure(_run(stage, rank, world_size, buckets={
+        "reduce_bucket_size": size, "overlap_comm": False})[0]) for name, (stage, size) in DEFAULT_BUCKET_RUNS.items()}
     engine, out["ckpt_losses"] = _run(2, rank, world_size)
     engine.save_checkpoint(ckpt)
     out["ckpt_weights"] = engine.master_state_dict()
