@@ -154,3 +154,10 @@ def test_no_import_cycle_through_the_engine_its_stages_or_extras():
 
     cyclic = sorted(m for m in graph if reaches(m, m, set()))
     assert not cyclic, f"these modules import themselves through others: {cyclic}"
+
+
+def test_one_way_to_overlap():
+    """Stages and extras reach the comm thread through engine.overlap(fn) (prefetch=True for a gather started
+    ahead of need), never through comm.run_async directly: only the engine's overlap() calls it."""
+    callers = [p.relative_to(ROOT).as_posix() for p in [*CORE, *EXTRAS] if "run_async(" in p.read_text()]
+    assert callers == ["engine.py"], callers
