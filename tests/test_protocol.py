@@ -31,7 +31,7 @@ HOOKS = {
              "after_backward", "grad_out", "grad_pieces", "optimizer_step", "publish", "zero_grads", "owned",
              "overlap", "wait", "master_full", "checkpoint_master", "checkpoint_optimizer_state",
              "restore_checkpoint", "build_optimizer"],
-    Stage2: ["take_bucket_buffer", "move_grads", "reduce_scatter_buckets"],
+    Stage2: ["take_bucket_slot", "take_bucket_buffer", "move_grads", "reduce_scatter_buckets"],
     Stage3: ["fetch", "release", "start_gathers", "unit_buffer", "param_piece", "param_home", "post_backward"],
 }
 

@@ -63,9 +63,10 @@ class Engine:
                 live), then the gradient buffers and the master pieces
     backward    before_backward(); on_grad_ready(param) per parameter, whose bucket, once complete, gets
                 post_backward(bucket) -> reduce_bucket(bucket), which reduces into grad_out(bucket);
-                after_backward(). Stage 2's buffers go through take_bucket_buffer, move_grads and
-                reduce_scatter_buckets; stage 3's units through fetch / release, start_gathers, unit_buffer,
-                and param_piece (what a rank sends when a unit is gathered)
+                after_backward(). Stage 2's buffers go through take_bucket_slot (a slot and its buffer;
+                take_bucket_buffer, the buffer alone, is exercise 5's), move_grads and reduce_scatter_buckets;
+                stage 3's units through fetch / release, start_gathers, unit_buffer, and param_piece (what
+                a rank sends when a unit is gathered)
     overlap     overlap(fn) runs collectives on the comm thread when overlap_comm is set; wait() waits for them;
                 overlap(fn, prefetch=True) always does, and the caller waits for the handle it returns
     step        grad_pieces() -> optimizer_step(grads, coef) -> publish(), which puts each new master piece
