@@ -211,7 +211,9 @@ class ZeroPPMixin:
     (qgZ's collective) and publish (hpZ's secondary copy goes stale)."""
 
     quantizer: BlockQuantizer = BlockQuantizer()   # qwZ's and qgZ's block quantizer (a subclass may set another)
-    keeps_parameter_copies = True   # hpZ's secondary partition holds another copy of the parameters
+    # hpZ's secondary partition is another copy of the parameters, which a broadcast into the shard would leave
+    # stale; the flag covers every ZeRO++ engine, as the stage-3-only check it replaced did
+    keeps_parameter_copies = True
 
     def setup(self) -> None:
         super().setup()
