@@ -64,7 +64,9 @@ def zero_keys(rank: int, world: int) -> dict:
         "s3-noncontiguous": config(3, "bf16", contiguous_gradients=False),
     }
     out = {key: train(rank, world, "gpt", cfg, steps=3, track_step=1) for key, cfg in runs.items()}
-    for key, cfg in {"s2-count": config(2, "bf16"), "s2-count5000": config(2, "bf16", allgather_bucket_size=5000),
+    ring = {**config(2, "bf16"), "comm_implementation": "ring"}
+    for key, cfg in {"s2-count": config(2, "bf16"), "s2-count-ring": ring,
+                     "s2-count5000": config(2, "bf16", allgather_bucket_size=5000),
                      "s1-count100k": config(1, "fp32", allgather_bucket_size=100_000)}.items():
         engine, *_ = zeroedu.initialize(model=make("gpt"), config=cfg)
         run_steps(engine, "gpt", rank, world, 2)

@@ -134,6 +134,61 @@ def test_world_of_one_sends_nothing():
     assert all(entry[3] == 0 for entry in ledger)
 
 
+def _coalesced_in_place(rank: int, world: int) -> dict:
+    """Coalesced collectives on random values, "direct" (nothing packed) against the ring (packed into one flat
+    tensor): their bits, their ledger entries, and the bytes each allocates on the calling thread (torch's
+    MemTracker)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from zeroedu.comm import Comm
+
+    sizes = (1000, 37, 4096)
+    g = torch.Generator().manual_seed(rank)
+    ins = [torch.randn(k * world, generator=g) for k in sizes]
+    pieces = [torch.randn(k, generator=g) for k in sizes]
+    out: dict = {"packs_nothing": {}}
+    for impl in ("ring", "direct"):
+        comm = Comm(implementation=impl)
+        out["packs_nothing"][impl] = (comm.packs_nothing("reduce_scatter"), comm.packs_nothing("all_gather"))
+        reduced, gathered = [torch.empty(k) for k in sizes], [torch.empty(k * world) for k in sizes]
+        inputs = [t.clone() for t in ins]
+        extra = {}
+        for op in ("reduce_scatter", "all_gather"):
+            tracker = MemTracker()
+            tracker.track_external(*reduced, *gathered, *inputs, *pieces)
+            with tracker:
+                before = sum(v.get("Total", 0) for v in tracker.get_tracker_snapshot("current").values())
+                if op == "reduce_scatter":
+                    comm.reduce_scatter_coalesced(reduced, inputs)
+                else:
+                    comm.all_gather_coalesced(gathered, pieces)
+            peak = sum(v.get("Total", 0) for v in tracker.get_tracker_snapshot("peak").values())
+            extra[op] = peak - before
+        out[impl] = {"reduced": reduced, "gathered": gathered, "extra": extra,
+                     "ledger": [(e.op, e.numel, e.tensor_bytes, e.sent_bytes) for e in comm.ledger]}
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_direct_coalesced_collectives_pack_nothing_and_give_the_rings_bits(world):
+    results = zeroedu.launch(_coalesced_in_place, world_size=world, timeout=200)
+    total = 1000 + 37 + 4096
+    for r in results:
+        ring, direct = r["ring"], r["direct"]
+        assert r["packs_nothing"] == {"ring": (False, False), "direct": (True, True)}
+        for a, b in zip(ring["reduced"] + ring["gathered"], direct["reduced"] + direct["gathered"], strict=True):
+            assert torch.equal(a, b)   # the same additions in the same order
+        # One entry each, with the bytes of one collective over all three tensors: S = N x total elements.
+        assert [e[:3] for e in direct["ledger"]] == [e[:3] for e in ring["ledger"]] == [
+            ("reduce_scatter", world * total, 4 * world * total), ("all_gather", world * total, 4 * world * total)]
+        assert [e[3] for e in direct["ledger"]] == [4 * (world - 1) * total] * 2   # N-1 pieces of S/N, sent
+        # The ring packs N x total elements (plus its own piece); direct allocates nothing to gather and, to
+        # reduce, only the parts of N-2 ranks that cannot land in the output (none at 2 ranks).
+        assert ring["extra"]["reduce_scatter"] >= 4 * world * total
+        assert ring["extra"]["all_gather"] >= 4 * world * total
+        assert direct["extra"] == {"reduce_scatter": 4 * (world - 2) * total, "all_gather": 0}
+
+
 def _subgroup(rank: int, world: int):
     from zeroedu.comm import Comm
 

@@ -132,41 +132,64 @@ def ring_all_reduce(p: Peers, t: torch.Tensor, _: torch.Tensor | None = None) ->
 # all-reduce): cheaper where each round costs a fixed latency, as for small tensors; the ring uses one link per
 # rank at a time. --
 
-def exchange_all(p: Peers, sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> int:
-    """sends[k-1] goes to the rank k places to the right, recvs[k-1] comes from the rank k to the left."""
+def exchange_all(p: Peers, sends: list[list[torch.Tensor]], recvs: list[list[torch.Tensor]]) -> int:
+    """sends[k-1] go to the rank k places to the right and recvs[k-1] come from the rank k to the left, each a list
+    of tensors in the same order on both sides; every transfer is in flight at once."""
     n, r = p.world_size, p.rank
     works = []
     for k, (send, recv) in enumerate(zip(sends, recvs, strict=True), start=1):
-        works.append(dist.irecv(recv, p.ranks[(r - k) % n], group=p.group))
-        works.append(dist.isend(send, p.ranks[(r + k) % n], group=p.group))
+        works += [dist.irecv(t, p.ranks[(r - k) % n], group=p.group) for t in recv]
+        works += [dist.isend(t, p.ranks[(r + k) % n], group=p.group) for t in send]
     for w in works:
         w.wait()
-    return sum(t.numel() * t.element_size() for t in sends)
+    return sum(t.numel() * t.element_size() for send in sends for t in send)
 
 
-def direct_reduce_scatter(p: Peers, out: torch.Tensor, inp: torch.Tensor) -> int:
+def _receivable(out: torch.Tensor, inp: torch.Tensor, numel: int) -> bool:
+    """Can a part be received straight into out? Not if out lies inside inp: its own chunk would be overwritten
+    before it is added."""
+    return (out.is_contiguous() and out.dtype == inp.dtype and out.numel() == numel
+            and out.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr())
+
+
+def direct_reduce_scatter_many(p: Peers, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> int:
+    """outs[i] = this rank's chunk of the sum over ranks of ins[i], for every i in one round of transfers. Nothing
+    is packed: each chunk is sent from where it lies, and the part added first (from rank r+1) is received
+    straight into outs[i] where it can be."""
     n, r = p.world_size, p.rank
-    chunks = inp.reshape(-1).chunk(n)
-    total = out.reshape(-1)
-    # The part added first (from rank r+1) is received straight into out, saving a buffer and a copy, unless
-    # out lies inside inp (its own chunk would be overwritten before it is added).
-    into_out = (out.is_contiguous() and out.dtype == inp.dtype and total.numel() == chunks[r].numel()
-                and out.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr())
-    recvs = [torch.empty_like(chunks[r]) for _ in range(n - 2)] + [total if into_out else torch.empty_like(chunks[r])]
-    sent = exchange_all(p, [chunks[(r + k) % n] for k in range(1, n)], recvs)
+    chunks = [t.reshape(-1).chunk(n) for t in ins]
+    totals = [out.reshape(-1) for out in outs]
+    into = [_receivable(out, t, c[r].numel()) for out, t, c in zip(outs, ins, chunks, strict=True)]
+    recvs = [[torch.empty_like(c[r]) for c in chunks] for _ in range(n - 2)]
+    recvs.append([total if ok else torch.empty_like(c[r]) for total, ok, c in zip(totals, into, chunks, strict=True)])
+    sent = exchange_all(p, [[c[(r + k) % n] for c in chunks] for k in range(1, n)], recvs)
     # Add in the ring's order (rank r+1's part first, our own last), so both give the same bits.
-    if not into_out:
-        total.copy_(recvs[-1])
-    for part in [*reversed(recvs[:-1]), chunks[r]]:
-        total.add_(part)
+    for i, (total, ok, c) in enumerate(zip(totals, into, chunks, strict=True)):
+        if not ok:
+            total.copy_(recvs[-1][i])
+        for part in [*(rv[i] for rv in reversed(recvs[:-1])), c[r]]:
+            total.add_(part)
     return sent
 
 
-def direct_all_gather(p: Peers, out: torch.Tensor, inp: torch.Tensor) -> int:
+def direct_reduce_scatter(p: Peers, out: torch.Tensor, inp: torch.Tensor) -> int:
+    return direct_reduce_scatter_many(p, [out], [inp])
+
+
+def direct_all_gather_many(p: Peers, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> int:
+    """outs[i] (contiguous, N x ins[i]) = every rank's ins[i], rank by rank, for every i in one round of transfers,
+    each piece received where it belongs (nothing packed)."""
     n, r = p.world_size, p.rank
-    chunks = out.reshape(-1).chunk(n)
-    chunks[r].copy_(inp.reshape(-1))
-    return exchange_all(p, [chunks[r]] * (n - 1), [chunks[(r - k) % n] for k in range(1, n)])
+    chunks = [out.view(-1).chunk(n) for out in outs]
+    for c, t in zip(chunks, ins, strict=True):
+        if c[r].data_ptr() != t.data_ptr():
+            c[r].copy_(t.reshape(-1))
+    mine = [c[r] for c in chunks]
+    return exchange_all(p, [mine] * (n - 1), [[c[(r - k) % n] for c in chunks] for k in range(1, n)])
+
+
+def direct_all_gather(p: Peers, out: torch.Tensor, inp: torch.Tensor) -> int:
+    return direct_all_gather_many(p, [out], [inp])
 
 
 def direct_all_reduce_in_place(p: Peers, work: torch.Tensor) -> int:
@@ -177,6 +200,10 @@ def direct_all_reduce_in_place(p: Peers, work: torch.Tensor) -> int:
 def direct_all_reduce(p: Peers, t: torch.Tensor, _: torch.Tensor | None = None) -> int:
     return padded_all_reduce(p, t, direct_all_reduce_in_place)
 
+
+# Several tensors in one round, nothing packed (Comm's coalesced collectives, where the algorithm is "direct").
+MANY: dict[str, Callable[[Peers, list[torch.Tensor], list[torch.Tensor]], int]] = {
+    "reduce_scatter": direct_reduce_scatter_many, "all_gather": direct_all_gather_many}
 
 ALGORITHMS: dict[str, dict[str, Algorithm]] = {
     "ring": {"all_reduce": ring_all_reduce, "reduce_scatter": ring_reduce_scatter, "all_gather": ring_all_gather},

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from zeroedu.collectives import ALGORITHMS, ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE, native, single
+from zeroedu.collectives import ALGORITHMS, ALL_GATHER_SINGLE, MANY, REDUCE_SCATTER_SINGLE, native, single
 from zeroedu.comm_thread import Handle, worker
 from zeroedu.ledger import Ledger, LedgerEntry, _rebuild_ledger  # noqa: F401 (old pickles of a Ledger name it here)
 
@@ -142,6 +142,9 @@ class Comm:
         if len(ins) == 1:
             self.all_gather(outs[0], ins[0], kind)
             return
+        if self.packs_nothing("all_gather"):
+            self._run("all_gather", list(outs), list(ins), kind, False)
+            return
         n = self.world_size
         mine = torch.cat([t.reshape(-1) for t in ins])
         rows = torch.empty(n, mine.numel(), dtype=mine.dtype, device=mine.device)
@@ -157,6 +160,9 @@ class Comm:
         if len(ins) == 1:
             self.reduce_scatter(outs[0], ins[0], average, kind)
             return
+        if self.packs_nothing("reduce_scatter"):
+            self._run("reduce_scatter", list(outs), list(ins), kind, False, average=average)
+            return
         n = self.world_size
         width = sum(out.numel() for out in outs)
         packed = torch.empty(n, width, dtype=ins[0].dtype, device=ins[0].device)
@@ -168,6 +174,12 @@ class Comm:
         self.reduce_scatter(mine, packed.view(-1), average, kind)
         for out, part in zip(outs, mine.split([out.numel() for out in outs]), strict=True):
             out.view(-1).copy_(part)
+
+    def packs_nothing(self, op: str) -> bool:
+        """Does a coalesced `op` run without packing (no buffer the size of all its tensors)? Yes where it runs
+        "direct": every piece is sent from where it lies and received where it belongs. The ring and the native
+        collectives take one flat tensor, so the tensors are packed into one first."""
+        return self.world_size > 1 and self._implementation(op) == "direct"
 
     def run_async(self, fn: Callable[[], None]) -> Handle:
         """Run a closure (collectives plus the work that belongs with them) on the comm thread."""
@@ -197,8 +209,10 @@ class Comm:
     def _call(self, op: str, a: torch.Tensor, b: torch.Tensor | None, kind: str, phase: str, step: int,
               native_async: bool = False, **kw) -> Handle | None:
         self._seq += 1
-        full = b if op == "reduce_scatter" else a  # the "S" of the ring formulas
-        sig = f"{op} {str(a.dtype).removeprefix('torch.')}[{full.numel()}] ({phase})"
+        full = b if op == "reduce_scatter" else a  # the "S" of the ring formulas (a list: a coalesced collective)
+        outs = a if isinstance(a, list) else [a]
+        numel = sum(t.numel() for t in full) if isinstance(full, list) else full.numel()
+        sig = f"{op} {str(outs[0].dtype).removeprefix('torch.')}[{numel}] ({phase})"
         self.last = f"#{self._seq} {sig}"
         shown = _group_seq(self.name) or self._seq   # in a launched rank: the group's count, raw calls included
         _report(f"waiting|{self.name}|{shown}|{sig}")
@@ -211,6 +225,8 @@ class Comm:
             a.div_(self.world_size)
         if self.world_size == 1:
             sent = single(op, a, b)
+        elif isinstance(a, list):
+            sent = MANY[op](self, a, b)
         elif impl in ALGORITHMS:
             sent = ALGORITHMS[impl][op](self, a, b)
         else:
@@ -218,9 +234,10 @@ class Comm:
 
         def finish() -> None:
             if kw.get("average") and self.world_size > 1 and not divide_first:
-                a.div_(self.world_size)
+                for t in outs:
+                    t.div_(self.world_size)
             _report(f"done|{self.name}|{shown}|{sig}")
-            self.ledger.note(op, phase, kind, step, full, dtype=a.dtype, group=self.ranks, sent_bytes=sent,
+            self.ledger.note(op, phase, kind, step, full, dtype=outs[0].dtype, group=self.ranks, sent_bytes=sent,
                              sent_measured=impl != "native" or self.world_size == 1, impl=impl,
                              seconds=time.perf_counter() - t0, seq=seq, start=wall0)
 

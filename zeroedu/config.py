@@ -12,7 +12,8 @@ Where a default differs from DeepSpeed's (docs/benchmarks.md, "At the defaults",
 prefetch size left out is sized to the model (zeroedu.stages.sizing; DeepSpeed: reduce_bucket_size 5e8,
 stage3_prefetch_bucket_size 5e7, stage3_max_live_parameters 1e9; zeroedu's live limit is twice its prefetch size,
 Psi/8 at least the largest unit); overlap_comm is true at every stage (DeepSpeed: at stage 3 only);
-allgather_bucket_size left out gathers one reduce bucket at a time (DeepSpeed: parts of 5e8); a config without an
+allgather_bucket_size left out gathers every bucket in one collective where that packs nothing (gloo's direct
+all-gather), one bucket at a time otherwise (DeepSpeed: parts of 5e8); a config without an
 optimizer section gets Adam at lr 1e-3, and one without batch keys a micro-batch of 1 (DeepSpeed: no optimizer,
 and an error for the batch).
 
@@ -173,8 +174,9 @@ class ZeroConfig:
     # None (the key left out): zeroedu sizes it to the model, where DeepSpeed uses fixed element counts (reduce
     # 5e8, prefetch 5e7, max live 1e9); see zeroedu.stages.sizing. A value given is used as given, as in DeepSpeed.
     reduce_bucket_size: int | None = None
-    # None: one all-gather per reduce bucket after the step (zeroedu's default); a number: all-gathers of at most
-    # this many elements, whatever the reduce buckets are, as DeepSpeed's stages 1-2 cut them.
+    # None (zeroedu's default): after the step, one all-gather for every reduce bucket where it packs nothing
+    # (Comm.packs_nothing: each piece lands in place), else one per bucket; a number: all-gathers of at most this
+    # many elements, whatever the reduce buckets are, as DeepSpeed's stages 1-2 cut them.
     allgather_bucket_size: int | None = None
     # True at every stage here; DeepSpeed's default is None, made True at stage 3 only (`overlap_comm_valid` in
     # deepspeed/runtime/zero/config.py), so its stages 1-2 reduce one bucket after the other unless the config says.

@@ -79,18 +79,19 @@ class Ledger(list):
             del self[:cut]
             self.dropped += cut
 
-    def note(self, op: str, phase: str, kind: str, step: int, tensor: torch.Tensor | None, *,
+    def note(self, op: str, phase: str, kind: str, step: int, tensor: torch.Tensor | list[torch.Tensor] | None, *,
              group: tuple[int, ...], sent_bytes: int, impl: str, sent_measured: bool = True, seconds: float = 0.0,
              seq: int = -1, start: float | None = None, dtype: torch.dtype | None = None) -> LedgerEntry:
-        """Record one entry: `tensor` gives its dtype, numel and tensor_bytes (None: a record without a tensor,
-        as a skipped step); `dtype` overrides the dtype recorded (a collective records its output's); `start`
-        defaults to now. Returns the entry appended."""
-        dtype = dtype or (tensor.dtype if tensor is not None else None)
+        """Record one entry: `tensor` gives its dtype, numel and tensor_bytes (a list: their sums, as for a coalesced
+        collective; None: a record without a tensor, as a skipped step); `dtype` overrides the dtype recorded (a
+        collective records its output's); `start` defaults to now. Returns the entry appended."""
+        tensors = [] if tensor is None else tensor if isinstance(tensor, list) else [tensor]
+        dtype = dtype or (tensors[0].dtype if tensors else None)
         entry = LedgerEntry(
             op=op, phase=phase, kind=kind, step=step,
             dtype="-" if dtype is None else str(dtype).removeprefix("torch."),
-            numel=0 if tensor is None else tensor.numel(), group=group, group_size=len(group),
-            tensor_bytes=0 if tensor is None else tensor.numel() * tensor.element_size(),
+            numel=sum(t.numel() for t in tensors), group=group, group_size=len(group),
+            tensor_bytes=sum(t.numel() * t.element_size() for t in tensors),
             sent_bytes=int(sent_bytes), sent_measured=sent_measured, impl=impl, seconds=seconds, seq=seq,
             start=time.time() if start is None else start)
         self.append(entry)

@@ -68,8 +68,16 @@ class Stage1(Stage0):
         if self.config.zero_optimization.allgather_bucket_size is not None:
             self.publish_in_chunks(self.config.zero_optimization.allgather_bucket_size)
             return
-        # With overlap_comm the gathers queue back to back on the comm thread: the next bucket's write-back
-        # overlaps this bucket's gather.
+        if self.comm.packs_nothing("all_gather"):
+            # One all-gather for every bucket: each piece lands where it lives in the flat parameters, so this
+            # costs no buffer, and a step pays one collective's latency instead of one per bucket.
+            for b, master in zip(self.layout.buckets, self.master_pieces, strict=True):
+                self.write_back(b, master)
+            self.comm.all_gather_coalesced([self.layout.bucket_view(self.flat_params, b) for b in self.layout.buckets],
+                                           [self.param_home(b) for b in self.layout.buckets], kind="params")
+            return
+        # Otherwise one per bucket (a coalesced one would pack them all into one more buffer): with overlap_comm
+        # they queue back to back on the comm thread, and the next bucket's write-back overlaps this one's gather.
         for b, master in zip(self.layout.buckets, self.master_pieces, strict=True):
             self.write_back(b, master)
             full, mine = self.layout.bucket_view(self.flat_params, b), self.param_home(b)
