@@ -189,6 +189,43 @@ def test_direct_coalesced_collectives_pack_nothing_and_give_the_rings_bits(world
         assert direct["extra"] == {"reduce_scatter": 4 * (world - 2) * total, "all_gather": 0}
 
 
+def _together(rank: int, world: int) -> dict:
+    """A coalesced reduce-scatter and all-gather run together (one round) and one after the other."""
+    from zeroedu.comm import Comm
+
+    g = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(k * world, generator=g) for k in (300, 7)]
+    pieces = [torch.randn(k, generator=g) for k in (50, 9, 1)]
+    out = {}
+    for impl, how in (("direct", "together"), ("direct", "apart"), ("ring", "together")):
+        comm = Comm(implementation=impl)
+        reduced, gathered = [torch.empty(k) for k in (300, 7)], [torch.empty(k * world) for k in (50, 9, 1)]
+        inputs = [t.clone() for t in grads]
+        rounds = comm.rounds
+        if how == "together":
+            comm.together([("reduce_scatter", reduced, inputs, "grads", True),
+                           ("all_gather", gathered, pieces, "params", False)])
+        else:
+            comm.reduce_scatter_coalesced(reduced, inputs, average=True)
+            comm.all_gather_coalesced(gathered, pieces)
+        out[impl, how] = {"results": reduced + gathered, "rounds": comm.rounds - rounds,
+                          "ledger": [(e.op, e.kind, e.numel, e.tensor_bytes, e.sent_bytes) for e in comm.ledger]}
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_together_is_one_round_with_each_collectives_bits_and_entry(world):
+    for r in zeroedu.launch(_together, world_size=world, timeout=200):
+        together, apart, ring = r["direct", "together"], r["direct", "apart"], r["ring", "together"]
+        for a, b, c in zip(together["results"], apart["results"], ring["results"], strict=True):
+            assert torch.equal(a, b) and torch.equal(a, c)
+        assert together["ledger"] == apart["ledger"] == ring["ledger"]
+        assert [e[:2] for e in together["ledger"]] == [("reduce_scatter", "grads"), ("all_gather", "params")]
+        assert together["ledger"][0][4] == 4 * (world - 1) * (300 + 7)   # N-1 pieces of S/N, each
+        # one meeting for both where both pack nothing; the ring packs, so it runs them one after the other
+        assert (together["rounds"], apart["rounds"], ring["rounds"]) == (1, 2, 2)
+
+
 def _subgroup(rank: int, world: int):
     from zeroedu.comm import Comm
 

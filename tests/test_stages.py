@@ -233,3 +233,51 @@ def test_stage3_coalescing_changes_the_collectives_not_the_result():
         assert all(torch.equal(one["params"][k], each["params"][k]) for k in each["params"])
         assert one["bytes"] == each["bytes"]
         assert each["collectives"] >= 2 * one["collectives"], (one["collectives"], each["collectives"])
+
+
+def test_stage3_backward_reduces_and_gathers_in_shared_rounds_with_the_same_result():
+    """In backward, a bucket's reduce-scatter and the next gather go in one round of transfers (Comm.together):
+    the same bits and the same ledger entries as one round each (fuse_backward = False), in fewer rounds."""
+    from workers import config
+
+    def both(rank, world):
+        import torch.distributed as dist
+
+        from zeroedu.config import load_config
+        from zeroedu.models import shard_batch
+        from zeroedu.stages import Stage3
+
+        from reference import batch, loss_fn, make
+
+        out = {}
+        for fuse in (True, False):
+            cfg = load_config(config(3, accum=2, micro=1, persist=200))
+            engine = type("Stage3Fused", (Stage3,), {"fuse_backward": fuse})(make("gpt"), cfg)
+            losses, rounds, before = [], engine.comm.rounds, len(engine.ledger)
+            for s in range(3):
+                x, y = batch("gpt", s, 8)
+                for micro in range(2):
+                    xs, ys = shard_batch(x, y, rank, world, micro, 2)
+                    loss = loss_fn(engine(xs), ys)
+                    engine.backward(loss)
+                    engine.step()
+                    losses.append(float(loss))
+            entries = [e for e in engine.ledger if e.kind in ("params", "grads")]
+            out[fuse] = {"losses": losses, "params": engine.master_state_dict(), "fusing": engine.fusing(),
+                         "entries": sorted((e.step, e.op, e.phase, e.kind, e.tensor_bytes, e.sent_bytes)
+                                           for e in entries),
+                         "rounds": engine.comm.rounds - rounds, "all": len(engine.ledger) - before}
+            dist.barrier()
+        return out
+
+    for world in (2, 4):
+        for r in zeroedu.launch(both, world_size=world, timeout=300):
+            fused, apart = r[True], r[False]
+            assert fused["fusing"] and not apart["fusing"]
+            assert fused["losses"] == apart["losses"]
+            assert all(torch.equal(fused["params"][k], apart["params"][k]) for k in apart["params"])
+            assert fused["entries"] == apart["entries"]
+            assert apart["rounds"] == apart["all"]   # one round per collective
+            # every backward of the 6 micro-steps shared at least one round
+            shared = apart["rounds"] - fused["rounds"]
+            assert 6 <= shared <= sum(1 for e in fused["entries"] if e[1] == "reduce_scatter"), shared

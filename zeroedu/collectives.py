@@ -10,7 +10,7 @@ Every function takes the group as `Peers` (a Comm is one): this rank, the group'
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -145,6 +145,14 @@ def exchange_all(p: Peers, sends: list[list[torch.Tensor]], recvs: list[list[tor
     return sum(t.numel() * t.element_size() for send in sends for t in send)
 
 
+class Plan(NamedTuple):
+    """One direct collective, ready to share a round: what goes to and comes from the rank k places away
+    (sends[k-1], recvs[k-1]), and what to do once everything has arrived."""
+    sends: list[list[torch.Tensor]]
+    recvs: list[list[torch.Tensor]]
+    finish: Callable[[], None]
+
+
 def _receivable(out: torch.Tensor, inp: torch.Tensor, numel: int) -> bool:
     """Can a part be received straight into out? Not if out lies inside inp: its own chunk would be overwritten
     before it is added."""
@@ -152,44 +160,59 @@ def _receivable(out: torch.Tensor, inp: torch.Tensor, numel: int) -> bool:
             and out.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr())
 
 
-def direct_reduce_scatter_many(p: Peers, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> int:
-    """outs[i] = this rank's chunk of the sum over ranks of ins[i], for every i in one round of transfers. Nothing
-    is packed: each chunk is sent from where it lies, and the part added first (from rank r+1) is received
-    straight into outs[i] where it can be."""
+def reduce_scatter_plan(p: Peers, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> Plan:
+    """outs[i] = this rank's chunk of the sum over ranks of ins[i]. Nothing is packed: each chunk is sent from
+    where it lies, and the part added first (from rank r+1) is received straight into outs[i] where it can be."""
     n, r = p.world_size, p.rank
     chunks = [t.reshape(-1).chunk(n) for t in ins]
     totals = [out.reshape(-1) for out in outs]
     into = [_receivable(out, t, c[r].numel()) for out, t, c in zip(outs, ins, chunks, strict=True)]
     recvs = [[torch.empty_like(c[r]) for c in chunks] for _ in range(n - 2)]
     recvs.append([total if ok else torch.empty_like(c[r]) for total, ok, c in zip(totals, into, chunks, strict=True)])
-    sent = exchange_all(p, [[c[(r + k) % n] for c in chunks] for k in range(1, n)], recvs)
-    # Add in the ring's order (rank r+1's part first, our own last), so both give the same bits.
-    for i, (total, ok, c) in enumerate(zip(totals, into, chunks, strict=True)):
-        if not ok:
-            total.copy_(recvs[-1][i])
-        for part in [*(rv[i] for rv in reversed(recvs[:-1])), c[r]]:
-            total.add_(part)
-    return sent
+
+    def finish() -> None:   # add in the ring's order (rank r+1's part first, our own last): the ring's bits
+        for i, (total, ok, c) in enumerate(zip(totals, into, chunks, strict=True)):
+            if not ok:
+                total.copy_(recvs[-1][i])
+            for part in [*(rv[i] for rv in reversed(recvs[:-1])), c[r]]:
+                total.add_(part)
+
+    return Plan([[c[(r + k) % n] for c in chunks] for k in range(1, n)], recvs, finish)
 
 
-def direct_reduce_scatter(p: Peers, out: torch.Tensor, inp: torch.Tensor) -> int:
-    return direct_reduce_scatter_many(p, [out], [inp])
-
-
-def direct_all_gather_many(p: Peers, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> int:
-    """outs[i] (contiguous, N x ins[i]) = every rank's ins[i], rank by rank, for every i in one round of transfers,
-    each piece received where it belongs (nothing packed)."""
+def all_gather_plan(p: Peers, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> Plan:
+    """outs[i] (contiguous, N x ins[i]) = every rank's ins[i], rank by rank, each piece received where it
+    belongs (nothing packed)."""
     n, r = p.world_size, p.rank
     chunks = [out.view(-1).chunk(n) for out in outs]
     for c, t in zip(chunks, ins, strict=True):
         if c[r].data_ptr() != t.data_ptr():
             c[r].copy_(t.reshape(-1))
     mine = [c[r] for c in chunks]
-    return exchange_all(p, [mine] * (n - 1), [[c[(r - k) % n] for c in chunks] for k in range(1, n)])
+    return Plan([mine] * (n - 1), [[c[(r - k) % n] for c in chunks] for k in range(1, n)], lambda: None)
+
+
+PLANS = {"reduce_scatter": reduce_scatter_plan, "all_gather": all_gather_plan}
+
+
+def direct_together(p: Peers, calls: list[tuple[str, list[torch.Tensor], list[torch.Tensor]]]) -> list[int]:
+    """Direct collectives (op, outs, ins) in one round of transfers: each peer gets one batch of messages for all
+    of them, in the same order on every rank. Returns the bytes each one sent."""
+    plans = [PLANS[op](p, outs, ins) for op, outs, ins in calls]
+    k_all = range(p.world_size - 1)
+    exchange_all(p, [[t for pl in plans for t in pl.sends[k]] for k in k_all],
+                 [[t for pl in plans for t in pl.recvs[k]] for k in k_all])
+    for pl in plans:
+        pl.finish()
+    return [sum(t.numel() * t.element_size() for send in pl.sends for t in send) for pl in plans]
+
+
+def direct_reduce_scatter(p: Peers, out: torch.Tensor, inp: torch.Tensor) -> int:
+    return direct_together(p, [("reduce_scatter", [out], [inp])])[0]
 
 
 def direct_all_gather(p: Peers, out: torch.Tensor, inp: torch.Tensor) -> int:
-    return direct_all_gather_many(p, [out], [inp])
+    return direct_together(p, [("all_gather", [out], [inp])])[0]
 
 
 def direct_all_reduce_in_place(p: Peers, work: torch.Tensor) -> int:
@@ -200,10 +223,6 @@ def direct_all_reduce_in_place(p: Peers, work: torch.Tensor) -> int:
 def direct_all_reduce(p: Peers, t: torch.Tensor, _: torch.Tensor | None = None) -> int:
     return padded_all_reduce(p, t, direct_all_reduce_in_place)
 
-
-# Several tensors in one round, nothing packed (Comm's coalesced collectives, where the algorithm is "direct").
-MANY: dict[str, Callable[[Peers, list[torch.Tensor], list[torch.Tensor]], int]] = {
-    "reduce_scatter": direct_reduce_scatter_many, "all_gather": direct_all_gather_many}
 
 ALGORITHMS: dict[str, dict[str, Algorithm]] = {
     "ring": {"all_reduce": ring_all_reduce, "reduce_scatter": ring_reduce_scatter, "all_gather": ring_all_gather},

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from zeroedu.collectives import ALGORITHMS, ALL_GATHER_SINGLE, MANY, REDUCE_SCATTER_SINGLE, native, single
+from zeroedu.collectives import ALGORITHMS, ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE, direct_together, native, single
 from zeroedu.comm_thread import Handle, worker
 from zeroedu.ledger import Ledger, LedgerEntry, _rebuild_ledger  # noqa: F401 (old pickles of a Ledger name it here)
 
@@ -83,6 +83,7 @@ class Comm:
         self.parent: Comm | None = None   # a subgroup records the phase and step of the Comm that made it
         self._seq = 0
         self.last: str | None = None   # the last collective this rank entered (for hang reports)
+        self.rounds = 0                # times this rank met its peers: a collective, or several run together()
 
     # -- context ----------------------------------------------------------------------------------------
     @contextmanager
@@ -175,6 +176,22 @@ class Comm:
         for out, part in zip(outs, mine.split([out.numel() for out in outs]), strict=True):
             out.view(-1).copy_(part)
 
+    def together(self, calls: list[tuple[str, list[torch.Tensor], list[torch.Tensor], str, bool]]) -> None:
+        """Coalesced collectives (op, outs, ins, kind, average), reduce-scatters and all-gathers, in one round of
+        transfers where none of them packs (packs_nothing): each peer gets one batch of messages for all of them,
+        so the ranks meet once instead of once per collective. Each is its own ledger entry with the bytes it
+        would have alone; its seconds are the round's. Elsewhere they run one after the other."""
+        if not all(self.packs_nothing(op) for op, *_ in calls):
+            for op, outs, ins, kind, average in calls:
+                if op == "all_gather":
+                    self.all_gather_coalesced(outs, ins, kind)
+                else:
+                    self.reduce_scatter_coalesced(outs, ins, average, kind)
+            return
+        src = self.parent or self
+        phase, step = src.phase, src.step
+        worker().run(lambda: self._call_together(calls, phase, step))
+
     def packs_nothing(self, op: str) -> bool:
         """Does a coalesced `op` run without packing (no buffer the size of all its tensors)? Yes where it runs
         "direct": every piece is sent from where it lies and received where it belongs. The ring and the native
@@ -205,9 +222,8 @@ class Comm:
             return "native"
         return AUTO_ON_GLOO.get(op, "native") if self.implementation == "auto" else self.implementation
 
-    @torch.no_grad()
-    def _call(self, op: str, a: torch.Tensor, b: torch.Tensor | None, kind: str, phase: str, step: int,
-              native_async: bool = False, **kw) -> Handle | None:
+    def _begin(self, op: str, a, b, phase: str) -> tuple:
+        """Number the collective, say what this rank waits in (hang reports), and start its clocks."""
         self._seq += 1
         full = b if op == "reduce_scatter" else a  # the "S" of the ring formulas (a list: a coalesced collective)
         outs = a if isinstance(a, list) else [a]
@@ -216,7 +232,25 @@ class Comm:
         self.last = f"#{self._seq} {sig}"
         shown = _group_seq(self.name) or self._seq   # in a launched rank: the group's count, raw calls included
         _report(f"waiting|{self.name}|{shown}|{sig}")
-        t0, wall0, seq = time.perf_counter(), time.time(), self._seq
+        return full, outs, sig, shown, self._seq, time.perf_counter(), time.time()
+
+    def _end(self, op: str, kind: str, phase: str, step: int, started: tuple, sent: int, impl: str,
+             divide_after: bool) -> None:
+        """Average the output if asked, say the collective is done, and put it in the ledger."""
+        full, outs, sig, shown, seq, t0, wall0 = started
+        if divide_after:
+            for t in outs:
+                t.div_(self.world_size)
+        _report(f"done|{self.name}|{shown}|{sig}")
+        self.ledger.note(op, phase, kind, step, full, dtype=outs[0].dtype, group=self.ranks, sent_bytes=sent,
+                         sent_measured=impl != "native" or self.world_size == 1, impl=impl,
+                         seconds=time.perf_counter() - t0, seq=seq, start=wall0)
+
+    @torch.no_grad()
+    def _call(self, op: str, a: torch.Tensor, b: torch.Tensor | None, kind: str, phase: str, step: int,
+              native_async: bool = False, **kw) -> Handle | None:
+        started = self._begin(op, a, b, phase)
+        self.rounds += 1
         impl, work = self._implementation(op), None
         # Averaging: an all-reduce divides its input first (as DDP does: the division overlaps the transfer
         # of earlier buckets), the other collectives their result (1/N of the size).
@@ -226,22 +260,25 @@ class Comm:
         if self.world_size == 1:
             sent = single(op, a, b)
         elif isinstance(a, list):
-            sent = MANY[op](self, a, b)
+            sent = direct_together(self, [(op, a, b)])[0]
         elif impl in ALGORITHMS:
             sent = ALGORITHMS[impl][op](self, a, b)
         else:
             sent, work = native(self, op, a, b, native_async, src=kw.get("src", 0))
+        divide_after = bool(kw.get("average")) and self.world_size > 1 and not divide_first
 
         def finish() -> None:
-            if kw.get("average") and self.world_size > 1 and not divide_first:
-                for t in outs:
-                    t.div_(self.world_size)
-            _report(f"done|{self.name}|{shown}|{sig}")
-            self.ledger.note(op, phase, kind, step, full, dtype=outs[0].dtype, group=self.ranks, sent_bytes=sent,
-                             sent_measured=impl != "native" or self.world_size == 1, impl=impl,
-                             seconds=time.perf_counter() - t0, seq=seq, start=wall0)
+            self._end(op, kind, phase, step, started, sent, impl, divide_after)
 
         if work is not None:
             return Handle(work, finish)
         finish()
         return None
+
+    @torch.no_grad()
+    def _call_together(self, calls: list[tuple], phase: str, step: int) -> None:
+        started = [self._begin(op, outs, ins, phase) for op, outs, ins, *_ in calls]
+        self.rounds += 1
+        sent = direct_together(self, [(op, outs, ins) for op, outs, ins, *_ in calls])
+        for (op, _, _, kind, average), st, nbytes in zip(calls, started, sent, strict=True):
+            self._end(op, kind, phase, step, st, nbytes, "direct", average)

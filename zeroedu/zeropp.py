@@ -214,6 +214,8 @@ class ZeroPPMixin:
     # hpZ's secondary partition is another copy of the parameters, which a broadcast into the shard would leave
     # stale; the flag covers every ZeRO++ engine, as the stage-3-only check it replaced did
     keeps_parameter_copies = True
+    # qgZ replaces the reduce-scatter and hpZ gathers from the node: neither shares a round with the other
+    fuse_backward = False
 
     def setup(self) -> None:
         super().setup()

@@ -99,6 +99,7 @@ class OffloadMixin(ParamOffloadMixin, OptimizerOffloadMixin, TransferMixin):
     """
 
     keeps_parameter_copies = True   # the fp32 master (and offload_param's pieces) live on the host or NVMe
+    fuse_backward = False   # the copy of a reduced piece to the host is queued right behind its reduce-scatter
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         if self.opt_tier != "none":   # the step runs on the host: the fastest CPU implementation

@@ -17,7 +17,10 @@ The first forward records the order in which modules run. From then on:
 
 Units are small (one module's own parameters), and every collective costs a fixed latency however small its
 tensor. So, as in DeepSpeed, the units that start gathering together travel in one coalesced all-gather, and
-gradients wait in a bucket until `reduce_bucket_size` elements are ready for one reduce-scatter.
+gradients wait in a bucket until `reduce_bucket_size` elements are ready for one reduce-scatter. In backward,
+where gloo's direct collectives pack nothing, a bucket's reduce-scatter waits for the next prefetch (the next
+module's backward starts it, moments later) and both go in one round of transfers (Comm.together): the ranks meet
+once for the two, the bytes and the ledger's entries are those of the two collectives.
 """
 
 from __future__ import annotations
@@ -36,12 +39,16 @@ from zeroedu.stages.units import ForwardTrace, UnitState
 class Stage3(Stage2):
     stage = 3
     coalesce = True   # False: one collective per unit (same bytes, same result, many more collectives)
+    # False: a bucket's reduce-scatter runs in its own round, not with the next gather (same bytes, same result).
+    # Offload and ZeRO++ set it False: they queue work behind the reduce-scatter or replace its collectives.
+    fuse_backward = True
 
     def setup(self) -> None:
         super().setup()   # units, this rank's shard, gradient shard, master pieces, gradient hooks
         self._pending: list[tuple[Bucket, torch.Tensor]] = []   # units whose gradients wait in the bucket
         self._grad_order: list[int] = []   # units in the order their gradients completed, in the first backward
         self._recording_grads, self._grad_pos = True, 0
+        self._deferred: tuple | None = None   # a bucket's reduce-scatter waiting to go with the next gather
         self.trace = ForwardTrace()
         for m in self.module.modules():
             if self.units_of[m] or m is self.module:
@@ -139,6 +146,11 @@ class Stage3(Stage2):
         coalesced all-gather for all of them, or one each without coalescing. ZeRO++ picks the source here."""
         for part in [units] if self.coalesce else [[b] for b in units]:
             bufs = [self.unit_buffer(b) for b in part]
+            if self._deferred is not None:
+                handle = self._gather_and_reduce(part, bufs)
+                for b, buf in zip(part, bufs, strict=True):
+                    self.inflight[b.index] = (handle, buf)
+                continue
             job = lambda part=part, bufs=bufs: self.comm.all_gather_coalesced(  # noqa: E731
                 bufs, [self.param_piece(b) for b in part])
             handle = self.overlap(job, prefetch=True)   # fetch() waits for this handle, not wait()
@@ -219,6 +231,7 @@ class Stage3(Stage2):
                 self.fetch(u)
         if i is not None:                  # None: a recomputed module, which has no place in the trace
             self.prefetch(range(i - 1, -1, -1))
+        self.send_deferred()               # no gather started here to take it along
 
     # -- backward: release, then reduce as at stage 2 ----------------------------------------------------
     def bucket_buffer_numel(self) -> int:
@@ -271,6 +284,50 @@ class Stage3(Stage2):
             self.reduce_to_shard(list(units), list(bufs), self._bucket_slot)
             self._pending, self._bucket = [], None
 
+    def fusing(self) -> bool:
+        """Does a bucket's reduce-scatter wait to share a round with the next gather? Where both pack nothing and
+        run on the comm thread (overlap_comm), in one coalesced collective each."""
+        zc = self.config.zero_optimization
+        return (self.fuse_backward and self.coalesce and self.overlap_comm and zc.reduce_scatter
+                and self.comm.packs_nothing("reduce_scatter") and self.comm.packs_nothing("all_gather"))
+
+    def reduce_to_shard(self, buckets: list[Bucket], bufs: list[torch.Tensor], slot: int) -> None:
+        if not self.fusing():
+            super().reduce_to_shard(buckets, bufs, slot)
+            return
+        self.send_deferred()   # one waits at a time
+        self._deferred = (buckets, bufs, slot)
+
+    def send_deferred(self) -> None:
+        """The reduce-scatter that waited for a gather goes on its own."""
+        if self._deferred is not None:
+            buckets, bufs, slot = self._deferred
+            self._deferred = None
+            super().reduce_to_shard(buckets, bufs, slot)
+
+    def _gather_and_reduce(self, part: list[Bucket], bufs: list[torch.Tensor]):
+        """One job for the waiting reduce-scatter and the gather of `part`, in one round (Comm.together); both wait
+        for its handle: take_bucket_slot for the bucket's slot, fetch() for the units."""
+        buckets, grads, slot = self._deferred
+        self._deferred = None
+        outs = [self.grad_out(b) for b in buckets]
+
+        def job() -> None:
+            reduced = [torch.empty_like(out, dtype=grads[0].dtype) for out in outs]
+            self.comm.together([("reduce_scatter", reduced, grads, "grads", True),
+                                ("all_gather", bufs, [self.param_piece(b) for b in part], "params", False)])
+            self.bucket_buffers[slot] = None   # reduced: the buffer goes
+            for out, r in zip(outs, reduced, strict=True):
+                out.add_(r)            # micro-steps accumulate in the shard
+
+        handle = self.overlap(job)     # overlap_comm is on (fusing): backward's wait() waits for it too
+        self._buffer_jobs[slot] = handle
+        return handle
+
+    def take_bucket_slot(self, b: Bucket | None = None) -> tuple[int, torch.Tensor]:
+        self.send_deferred()   # its slot may be the one wanted
+        return super().take_bucket_slot(b)
+
     def before_backward(self) -> None:
         super().before_backward()
         self._grad_pos = 0
@@ -278,6 +335,7 @@ class Stage3(Stage2):
     def after_backward(self) -> None:
         super().after_backward()
         self.flush_gradients()
+        self.send_deferred()
         if self._recording_grads and self._grad_order:
             self._recording_grads = False   # the order units reached post_backward: the next backwards' order
         for u in list(self.inflight):       # a prefetch nobody used
