@@ -86,14 +86,16 @@ def test_bucket_buffers_stay_constant_with_a_fixed_reduce_bucket_size():
 
 
 # -- notebook 12: FSDP2 next to zeroedu ---------------------------------------------------------------------------
-def test_fsdp2_and_zeroedu_run_the_same_collectives_and_bytes():
+def test_fsdp2_and_zeroedu_run_the_same_bytes():
     res = zeroedu.launch(course_big.fsdp2_side_by_side, world_size=2)
     for r in res:
         psi, units = r["psi"], r["units"]
         full, keep = r["FSDP2 reshard_after_forward=True"], r["FSDP2 reshard_after_forward=False"]
         s3, s2 = r["zeroedu stage 3"], r["zeroedu stage 2"]
         assert full["counts"] == s3["counts"] == {"all_gather": 6, "reduce_scatter": 3}
-        assert keep["counts"] == s2["counts"] == {"all_gather": 3, "reduce_scatter": 3}
+        # FSDP2 gathers each of its 3 groups in forward; stage 2 every bucket in one collective after the step
+        assert keep["counts"] == {"all_gather": 3, "reduce_scatter": 3}
+        assert s2["counts"] == {"all_gather": 1, "reduce_scatter": 3}
         assert full["sent"] == s3["sent"] == theory.comm_bytes_per_step(psi, 2, 3, "fp32", layout=units)["total"]
         assert keep["sent"] == s2["sent"] == theory.comm_bytes_per_step(psi, 2, 2, "fp32", layout=units)["total"]
         # Adam in fp32: FSDP2 frees its gradients after the step (zero_grad), zeroedu keeps its gradient shard;
