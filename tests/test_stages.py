@@ -244,24 +244,17 @@ def test_stage3_backward_reduces_and_gathers_in_shared_rounds_with_the_same_resu
         import torch.distributed as dist
 
         from zeroedu.config import load_config
-        from zeroedu.models import shard_batch
         from zeroedu.stages import Stage3
 
-        from reference import batch, loss_fn, make
+        from reference import make
+        from workers import run_steps
 
         out = {}
         for fuse in (True, False):
             cfg = load_config(config(3, accum=2, micro=1, persist=200))
             engine = type("Stage3Fused", (Stage3,), {"fuse_backward": fuse})(make("gpt"), cfg)
-            losses, rounds, before = [], engine.comm.rounds, len(engine.ledger)
-            for s in range(3):
-                x, y = batch("gpt", s, 8)
-                for micro in range(2):
-                    xs, ys = shard_batch(x, y, rank, world, micro, 2)
-                    loss = loss_fn(engine(xs), ys)
-                    engine.backward(loss)
-                    engine.step()
-                    losses.append(float(loss))
+            rounds, before = engine.comm.rounds, len(engine.ledger)
+            losses = run_steps(engine, "gpt", rank, world, 3)   # 3 steps of 2 micro-steps
             entries = [e for e in engine.ledger if e.kind in ("params", "grads")]
             out[fuse] = {"losses": losses, "params": engine.master_state_dict(), "fusing": engine.fusing(),
                          "entries": sorted((e.step, e.op, e.phase, e.kind, e.tensor_bytes, e.sent_bytes)

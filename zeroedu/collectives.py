@@ -132,7 +132,7 @@ def ring_all_reduce(p: Peers, t: torch.Tensor, _: torch.Tensor | None = None) ->
 # all-reduce): cheaper where each round costs a fixed latency, as for small tensors; the ring uses one link per
 # rank at a time. --
 
-def exchange_all(p: Peers, sends: list[list[torch.Tensor]], recvs: list[list[torch.Tensor]]) -> int:
+def exchange_all(p: Peers, sends: list[list[torch.Tensor]], recvs: list[list[torch.Tensor]]) -> None:
     """sends[k-1] go to the rank k places to the right and recvs[k-1] come from the rank k to the left, each a list
     of tensors in the same order on both sides; every transfer is in flight at once."""
     n, r = p.world_size, p.rank
@@ -142,7 +142,6 @@ def exchange_all(p: Peers, sends: list[list[torch.Tensor]], recvs: list[list[tor
         works += [dist.isend(t, p.ranks[(r + k) % n], group=p.group) for t in send]
     for w in works:
         w.wait()
-    return sum(t.numel() * t.element_size() for send in sends for t in send)
 
 
 class Plan(NamedTuple):
