@@ -13,7 +13,10 @@ prefetch size left out is sized to the model (zeroedu.stages.sizing; DeepSpeed: 
 stage3_prefetch_bucket_size 5e7, stage3_max_live_parameters 1e9; zeroedu's live limit is twice its prefetch size,
 Psi/8 at least the largest unit); overlap_comm is true at every stage (DeepSpeed: at stage 3 only);
 allgather_bucket_size left out gathers every bucket in one collective where that packs nothing (gloo's direct
-all-gather), one bucket at a time otherwise (DeepSpeed: parts of 5e8); a config without an
+all-gather), one bucket at a time otherwise (DeepSpeed: parts of 5e8); stage3_max_reuse_distance left out is 0:
+every unit is released after its last forward use and gathered again for backward, the 3 Psi of the ZeRO paper
+(DeepSpeed: 1e9, which keeps every parameter of a model below about 5e8 elements gathered from forward to
+backward); a config without an
 optimizer section gets Adam at lr 1e-3, and one without batch keys a micro-batch of 1 (DeepSpeed: no optimizer,
 and an error for the batch).
 
@@ -199,6 +202,9 @@ class ZeroConfig:
     stage3_prefetch_bucket_size: int | None = None
     stage3_param_persistence_threshold: int = 100_000
     stage3_max_live_parameters: int | None = None
+    # A unit whose next use (its own backward) comes before this many elements of other modules' parameters are
+    # used stays gathered from its last forward use to its backward (stage3.py). 0: none does.
+    stage3_max_reuse_distance: int = 0
     stage3_gather_16bit_weights_on_model_save: bool = False
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=lambda: OffloadConfig(buffer_count=5))
@@ -564,7 +570,7 @@ def _parse_zero(p: _Problems, raw: dict[str, Any]) -> ZeroConfig:
     known = {
         "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
         "reduce_scatter", "sub_group_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-        "stage3_max_live_parameters", "stage3_gather_16bit_weights_on_model_save",
+        "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
         "stage3_gather_fp16_weights_on_model_save", "offload_optimizer", "offload_param", "zero_quantized_weights",
         "zero_quantized_gradients", "zero_hpz_partition_size", *DEPRECATED_OFFLOAD,
     }
@@ -605,6 +611,7 @@ def _parse_zero(p: _Problems, raw: dict[str, Any]) -> ZeroConfig:
         stage3_param_persistence_threshold=p.get(s, raw, "stage3_param_persistence_threshold",
                                                  d.stage3_param_persistence_threshold, _int, 0),
         stage3_max_live_parameters=p.get(s, raw, "stage3_max_live_parameters", None, _size, 1),
+        stage3_max_reuse_distance=p.get(s, raw, "stage3_max_reuse_distance", 0, _size, 0) or 0,   # null: 0
         stage3_gather_16bit_weights_on_model_save=gather16,
         offload_optimizer=off_opt,
         offload_param=off_par,

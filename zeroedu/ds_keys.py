@@ -121,9 +121,6 @@ NOTED: dict[str, dict[str, str]] = {
                                  "copies an equal share to the host; here every rank's piece of every bucket is "
                                  "already the same size (flat layout), so there is nothing to balance",
         "elastic_checkpoint": "zeroedu's checkpoints load at any world size anyway (zeroedu.checkpoint)",
-        "stage3_max_reuse_distance": "not implemented: zeroedu releases a unit after its last use in forward and "
-                                     "gathers it again for backward (3 Psi per step); DeepSpeed keeps a parameter "
-                                     "gathered if it is used again within this many elements",
         "stage3_model_persistence_threshold": "not applied: DeepSpeed caps the total elements kept whole by "
                                               "stage3_param_persistence_threshold (no cap by default); here every "
                                               "unit under that threshold stays whole, however many there are: "

@@ -185,7 +185,8 @@ def _units(layout: list[int], persistent: Iterable[int] | None) -> tuple[list[in
 
 def comm_bytes_per_step(psi: int, world_size: int, stage: int, precision: str = "bf16", grad_accum: int = 1,
                         layout: Sequence[int] | None = None,
-                        persistent: Sequence[int] | None = None) -> dict[str, int | float]:
+                        persistent: Sequence[int] | None = None,
+                        reused: Sequence[int] | None = None) -> dict[str, int | float]:
     """Bytes each rank SENDS in one optimizer step of `grad_accum` micro-steps, keyed "phase/op", plus "total".
 
     Collectives run in the compute dtype (p bytes an element) on padded buckets, one collective per bucket:
@@ -194,7 +195,8 @@ def comm_bytes_per_step(psi: int, world_size: int, stage: int, precision: str = 
     - stage 2: "backward/reduce_scatter" every micro-step (the full gradient is not kept), "step/all_gather";
     - stage 3: every micro-step, "forward/all_gather" and "backward/all_gather" of each non-persistent unit and
       "backward/reduce_scatter" of every unit; `persistent` units (sizes, each also in `layout`) stay gathered
-      and are all-gathered once a step in "step/all_gather".
+      and are all-gathered once a step in "step/all_gather"; `reused` units (sizes, see `reused_units`) stay
+      gathered from their forward to their backward, so "backward/all_gather" leaves them out.
     Scalars (the global gradient norm, the fp16 overflow flag) are not included.
     """
     _check_stage(stage)
@@ -202,8 +204,8 @@ def comm_bytes_per_step(psi: int, world_size: int, stage: int, precision: str = 
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}.")
     n, p = world_size, param_bytes(precision)
     buckets = _layout(psi, layout)
-    if persistent and stage != 3:
-        raise ValueError("persistent units exist only at stage 3; pass persistent=None for stages 0-2.")
+    if (persistent or reused) and stage != 3:
+        raise ValueError("persistent and reused units exist only at stage 3; pass None for stages 0-2.")
 
     def sent(op: str, sizes: list[int]) -> Fraction:
         return sum((Fraction(ring_sent_bytes(op, p * padded_numel(k, n), n)) for k in sizes), Fraction(0))
@@ -217,13 +219,28 @@ def comm_bytes_per_step(psi: int, world_size: int, stage: int, precision: str = 
     else:
         gathered, kept = _units(buckets, persistent)
         out["forward/all_gather"] = sent("all_gather", gathered) * grad_accum
-        out["backward/all_gather"] = sent("all_gather", gathered) * grad_accum
+        again, _ = _units(gathered, reused)
+        out["backward/all_gather"] = sent("all_gather", again) * grad_accum
         out["backward/reduce_scatter"] = sent("reduce_scatter", buckets) * grad_accum
         if kept:
             out["step/all_gather"] = sent("all_gather", kept)
     result = {k: _num(v) for k, v in out.items()}
     result["total"] = _num(sum(out.values(), Fraction(0)))
     return result
+
+
+def reused_units(forward_units: Sequence[int], max_reuse_distance: int, persistence_threshold: int = 0) -> list[int]:
+    """Stage-3 units (sizes in elements, in the order a chain of modules uses them in forward, each once) that
+    `stage3_max_reuse_distance` keeps gathered from forward to backward. Backward runs the chain in reverse, so
+    between unit j's forward and its backward every later unit is used twice; j stays gathered when those uses
+    come to fewer than `max_reuse_distance` elements. Units under `persistence_threshold` are never released,
+    so they are not in the list (they still count in the distance)."""
+    kept, after = [], 0
+    for n in reversed(forward_units):
+        if 2 * after < max_reuse_distance and n >= persistence_threshold:
+            kept.append(int(n))
+        after += int(n)
+    return kept[::-1]
 
 
 def comm_volume_paper(stage: int) -> int:

@@ -105,7 +105,8 @@ PAIRS = [(0, "ddp", "DDP"), (1, "zero_redundancy", "ZeroRedundancyOptimizer"),
 DDP_BUCKET_MB = 25
 # zeroedu's knobs; None: sized like the peer's (see zeroedu_config).
 ZERO = {"reduce_bucket_size": None, "stage3_prefetch_bucket_size": None,
-        "stage3_max_live_parameters": 1_000_000_000, "stage3_param_persistence_threshold": 10_000}
+        "stage3_max_live_parameters": 1_000_000_000, "stage3_param_persistence_threshold": 10_000,
+        "stage3_max_reuse_distance": 0}
 
 
 def zeroedu_config(stage: int, micro_batch: int, zero: dict | None = None, block: int = 1_000_000,

@@ -13,7 +13,12 @@ The first forward records the order in which modules run. From then on:
   `stage3_prefetch_bucket_size` elements in flight and `stage3_max_live_parameters` gathered at once
   (backward prefetches in reverse order);
 - units smaller than `stage3_param_persistence_threshold` elements are never released: they are too small
-  for a gather to pay off. They are all-gathered once after each optimizer step.
+  for a gather to pay off. They are all-gathered once after each optimizer step;
+- with `stage3_max_reuse_distance` D > 0, a unit is not released after its last forward use when its next use,
+  its own backward, comes before D elements of parameters are used in between (every module call after it in
+  forward, then the same calls again in backward, counted as DeepSpeed counts them): the last units of the
+  forward stay gathered for the backward, which starts with them. It is gathered once that step instead of
+  twice. D = 0 (zeroedu's default) keeps none: 3 Psi a step.
 
 Units are small (one module's own parameters), and every collective costs a fixed latency however small its
 tensor. So, as in DeepSpeed, the units that start gathering together travel in one coalesced all-gather, and
@@ -69,6 +74,7 @@ class Stage3(Stage2):
         self.units_of = {m: sorted({self._bucket_of[p].index for p in m.parameters(recurse=False)
                                     if p in self._bucket_of}) for m in self.module.modules()}
         self.persistent = {b.index for b in self.layout.buckets if b.numel < zc.stage3_param_persistence_threshold}
+        self.reused: set[int] = set()   # units kept gathered from forward to backward (set when the trace is done)
 
     def place_parameters(self) -> None:
         """This rank keeps its shard, filled one unit at a time: a model built inside zeroedu.zero.Init is
@@ -216,14 +222,35 @@ class Stage3(Stage2):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda grad, m=m, i=i: self._pre_backward(m, i))
+        keep = self.reused if torch.is_grad_enabled() else set()   # no backward follows a forward without grad
         if self.trace.follows:
             for u in self.units_of[m]:
-                if self.trace.last_use.get(u) == i:
+                if self.trace.last_use.get(u) == i and u not in keep:
                     self.release(u)
         if m is self.module:   # the whole forward is done
+            first = self.trace.recording
             self.trace.end(self.units_of)
+            if first:   # the order is known now, and with it what is used again soon
+                self.reused = self.reused_units()
+                keep = self.reused if torch.is_grad_enabled() else set()
             for u in list(self.gathered):
-                self.release(u)
+                if u not in keep or not self.trace.follows:
+                    self.release(u)
+
+    def reused_units(self) -> set[int]:
+        """The units whose backward comes within `stage3_max_reuse_distance` elements of their last forward use.
+
+        Modules run backward in the reverse of their forward order, so what comes between call j's end and its
+        backward is every call after j, twice: once in forward, once in backward."""
+        limit = self.config.zero_optimization.stage3_max_reuse_distance
+        sizes = [sum(self.layout.buckets[u].numel for u in self.units_of[m]) for m in self.trace.modules]
+        kept, after = set(), 0
+        for j in range(len(sizes) - 1, -1, -1):
+            if 2 * after < limit:
+                kept.update(u for u in self.units_of[self.trace.modules[j]]
+                            if self.trace.last_use[u] == j and u not in self.persistent)
+            after += sizes[j]
+        return kept
 
     def _pre_backward(self, m: torch.nn.Module, i: int | None) -> None:
         for u in self.units_of[m]:
