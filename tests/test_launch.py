@@ -402,6 +402,13 @@ def test_unpicklable_arguments_fail_before_starting(procs):
         launch(_noop, 2, args=(threading.Lock(),))
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("args", [None, 5, "ab"])
+def test_arguments_that_are_not_a_tuple_say_how_to_write_one(procs, args):
+    with pytest.raises(TypeError, match=r"args=\(value,\)"):
+        launch(_noop, 2, args=args)
+
+
 @pytest.mark.timeout(60)
 def test_unpicklable_return_value(procs):
     with pytest.raises(RankError, match="cannot be pickled"):

@@ -479,6 +479,9 @@ def launch(fn: Callable, world_size: int = 4, args: Sequence = (), kwargs: dict 
                           "start ranks. fn already runs on every rank; call the code directly, or call launch() "
                           "from the notebook or the script's top level.")
     _check_world_size(world_size)
+    if isinstance(args, str | bytes) or not isinstance(args, Sequence):
+        raise TypeError(f"launch(fn, world_size, args=...) takes fn's arguments after rank and world_size as a tuple "
+                        f"or list; got {type(args).__name__} {args!r:.60}. For one argument write args=(value,).")
     kwargs = dict(kwargs or {})
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _launch_in_torchrun(fn, world_size, args, kwargs, backend)
