@@ -261,7 +261,7 @@ def bucket_stats(summary: Mapping) -> dict[str, int]:
 
 def stage3_units(engine) -> dict | None:
     """engine_hook for train(): a stage-3 engine's units as (module name, its parameter names, elements), and the
-    sizes of the persistent ones. None at other stages."""
+    sizes of the persistent ones and of those kept from forward to backward (reused). None at other stages."""
     if engine.stage != 3:
         return None
     names = {m: n or "(the model itself)" for n, m in engine.module.named_modules()}
@@ -269,6 +269,7 @@ def stage3_units(engine) -> dict | None:
     for m, b in zip(engine.unit_modules, engine.layout.buckets, strict=True):
         mine = {id(p) for p in b.params}
         units.append((names[m], [n for n, p in m.named_parameters(recurse=False) if id(p) in mine], b.numel))
-    return {"units": units, "persistent": [engine.layout.buckets[u].numel for u in sorted(engine.persistent)]}
+    return {"units": units, "persistent": [engine.layout.buckets[u].numel for u in sorted(engine.persistent)],
+            "reused": [engine.layout.buckets[u].numel for u in sorted(engine.reused)]}
 
 
