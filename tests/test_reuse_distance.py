@@ -84,6 +84,13 @@ def test_the_closed_form_keeps_the_last_units():
     assert theory.reused_units(UNITS, 1_000_000_000) == UNITS
 
 
+def test_reused_units_must_be_in_the_layout():
+    with pytest.raises(ValueError, match="reused unit of 5 elements is not in the layout"):
+        theory.comm_bytes_per_step(sum(UNITS), 2, 3, "fp32", layout=UNITS, reused=[5])
+    with pytest.raises(ValueError, match="persistent and reused units exist only at stage 3"):
+        theory.comm_bytes_per_step(sum(UNITS), 2, 2, "fp32", layout=UNITS, reused=[650])
+
+
 def test_same_bits_as_the_single_process_run_at_every_distance(runs):
     n, results = runs
     ref_losses, ref_params = _single_process()

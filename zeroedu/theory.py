@@ -171,12 +171,12 @@ def ring_sent_bytes(op: str, nbytes: int, world_size: int) -> int | float:
     return _num(Fraction(steps * int(nbytes), world_size))
 
 
-def _units(layout: list[int], persistent: Iterable[int] | None) -> tuple[list[int], list[int]]:
-    """Split stage 3 units into (gathered every micro-step, persistent). Persistent ones are named by size."""
+def _units(layout: list[int], named: Iterable[int] | None, kind: str = "persistent") -> tuple[list[int], list[int]]:
+    """Split stage 3 units into (the rest, those `named` by size)."""
     rest, kept = list(layout), []
-    for n in persistent or ():
+    for n in named or ():
         if int(n) not in rest:
-            raise ValueError(f"persistent unit of {n} elements is not in the layout {layout}: persistent units "
+            raise ValueError(f"{kind} unit of {n} elements is not in the layout {layout}: {kind} units "
                              f"must be listed (by size) among the layout's units.")
         rest.remove(int(n))
         kept.append(int(n))
@@ -219,7 +219,7 @@ def comm_bytes_per_step(psi: int, world_size: int, stage: int, precision: str = 
     else:
         gathered, kept = _units(buckets, persistent)
         out["forward/all_gather"] = sent("all_gather", gathered) * grad_accum
-        again, _ = _units(gathered, reused)
+        again, _ = _units(gathered, reused, "reused")
         out["backward/all_gather"] = sent("all_gather", again) * grad_accum
         out["backward/reduce_scatter"] = sent("reduce_scatter", buckets) * grad_accum
         if kept:
