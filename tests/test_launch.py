@@ -737,14 +737,16 @@ if __name__ == "__main__":
 """
 
 
-def _start_signal_script(tmp_path):
+def _start_signal_script(tmp_path, hangup=signal.SIG_DFL):
     (tmp_path / "run.py").write_text(SIGNAL_SCRIPT)
     nvme, tmp = tmp_path / "nvme", tmp_path / "tmp"
     nvme.mkdir()
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
+    # SIGHUP as `hangup` says, whatever this test run inherited (under nohup it is ignored)
     parent = subprocess.Popen([PY, str(tmp_path / "run.py"), str(nvme)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                              preexec_fn=lambda: signal.signal(signal.SIGHUP, hangup))
     deadline = time.monotonic() + 100
     while not all((nvme / f"ready{r}").exists() for r in range(2)):
         assert time.monotonic() < deadline and parent.poll() is None, parent.communicate()
@@ -780,6 +782,22 @@ def test_a_signal_to_the_parent_leaves_no_folder(sig, tmp_path):
     # before stopping them, where each rank was: a run stuck where no check sees still shows its line
     assert "zeroedu launch(train_forever) interrupted after" in err and "--- rank 1 ---" in err
     assert "in train_forever" in err, err
+
+
+@pytest.mark.timeout(180)
+def test_under_nohup_a_hangup_leaves_the_run_going(tmp_path):
+    """nohup ignores SIGHUP so that a run outlives its terminal: launch() keeps it ignored."""
+    parent, nvme, tmp, ranks = _start_signal_script(tmp_path, hangup=signal.SIG_IGN)
+    try:
+        parent.send_signal(signal.SIGHUP)
+        time.sleep(3)
+        assert parent.poll() is None and all(_alive(p) for p in ranks)
+        parent.send_signal(signal.SIGTERM)
+        parent.communicate(timeout=60)
+    finally:
+        parent.kill()
+    assert parent.returncode == -signal.SIGTERM
+    assert _left(nvme, tmp) == []
 
 
 @pytest.mark.timeout(180)
