@@ -9,9 +9,20 @@ learner classes that replace an engine method the exercise did not ask for (shad
 from __future__ import annotations
 
 import ast
+import threading
 from typing import Any
 
 from zeroedu.grading import notebook as nbtools
+
+_PARSE = threading.Lock()
+
+
+def _parse(source: str) -> ast.Module:
+    """ast.parse, one thread at a time. The grader reads submissions on several threads, and CPython 3.11 keeps the
+    AST constructor's recursion depth in one counter per interpreter: two parses at once can fail with
+    "SystemError: AST constructor recursion depth mismatch" (seen in this project's CI; python/cpython#106905)."""
+    with _PARSE:
+        return ast.parse(source)
 
 
 def _norm(source: str) -> str:
@@ -21,7 +32,7 @@ def _norm(source: str) -> str:
 def _defined(source: str) -> set[str]:
     """Names a cell's top level binds (def, class, import, assignment, for)."""
     try:
-        tree = ast.parse(source)
+        tree = _parse(source)
     except SyntaxError:
         return set()
     names: set[str] = set()
@@ -38,7 +49,7 @@ def _defined(source: str) -> set[str]:
 def _methods(source: str) -> set[str]:
     """Names defined inside the classes of a cell."""
     try:
-        tree = ast.parse(source)
+        tree = _parse(source)
     except SyntaxError:
         return set()
     return {item.name for node in tree.body if isinstance(node, ast.ClassDef) for item in node.body
@@ -47,7 +58,7 @@ def _methods(source: str) -> set[str]:
 
 def _loaded(source: str) -> set[str]:
     try:
-        return {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        return {n.id for n in ast.walk(_parse(source)) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     except SyntaxError:
         return set()
 
@@ -55,7 +66,7 @@ def _loaded(source: str) -> set[str]:
 def _shape(source: str) -> tuple[dict[str, str], dict[str, set[str]]]:
     """A cell's top-level def and class names ({name: "def"|"class"}) and each class's methods."""
     try:
-        tree = ast.parse(source)
+        tree = _parse(source)
     except SyntaxError:
         return {}, {}
     kinds: dict[str, str] = {}
@@ -126,7 +137,7 @@ def forged_answers(nb: Any, solution: Any) -> dict[int, str]:
             continue
         gid = cell.metadata.get("zeroedu_grade", {}).get("grade_id")
         try:
-            tree = ast.parse(cell.source)
+            tree = _parse(cell.source)
         except SyntaxError:
             continue   # it fails in the kernel, with Python's own message
         why: list[str] = []
@@ -200,7 +211,7 @@ def shadowed_engine_names(nb: Any, submission: Any) -> list[str]:
         if cell.get("cell_type") != "code":
             continue
         try:
-            tree = ast.parse(cell.source)
+            tree = _parse(cell.source)
         except SyntaxError:
             continue
         for node in tree.body:
