@@ -1,6 +1,6 @@
 """`stage3_max_reuse_distance`: stage 3 keeps the units the backward will use soon gathered from forward to backward.
 
-Checked against three references: a single-process run (the same bits whatever the distance), the closed form
+Checked against three references: a single-process run (and the same bits at every distance), the closed form
 (zeroedu.theory.reused_units and comm_bytes_per_step: which units stay, and the bytes each rank sends), and real
 DeepSpeed at its default distance of 1e9, which gathers every parameter once a step.
 """
