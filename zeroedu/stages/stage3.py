@@ -222,19 +222,21 @@ class Stage3(Stage2):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda grad, m=m, i=i: self._pre_backward(m, i))
-        keep = self.reused if torch.is_grad_enabled() else set()   # no backward follows a forward without grad
-        if self.trace.follows:
-            for u in self.units_of[m]:
-                if self.trace.last_use.get(u) == i and u not in keep:
-                    self.release(u)
-        if m is self.module:   # the whole forward is done
+        done = m is self.module   # the whole forward is done
+        if done:
             first = self.trace.recording
             self.trace.end(self.units_of)
             if first:   # the order is known now, and with it what is used again soon
                 self.reused = self.reused_units()
-                keep = self.reused if torch.is_grad_enabled() else set()
+        # Kept for the backward: only in a forward that runs as recorded, with grad (else no backward follows).
+        keep = self.reused if self.trace.follows and torch.is_grad_enabled() else set()
+        if self.trace.follows:
+            for u in self.units_of[m]:
+                if self.trace.last_use.get(u) == i and u not in keep:
+                    self.release(u)
+        if done:
             for u in list(self.gathered):
-                if u not in keep or not self.trace.follows:
+                if u not in keep:
                     self.release(u)
 
     def reused_units(self) -> set[int]:
