@@ -1,10 +1,16 @@
-"""No import cycles among zeroedu's modules, counting imports inside functions too (a function-level import
-hides a cycle from Python at import time, not from a reader). The graph is built from the source with `ast`,
-so the test imports nothing it checks."""
+"""zeroedu's imports. No import cycles among its modules, counting imports inside functions too (a function-level
+import hides a cycle from Python at import time, not from a reader); the graph is built from the source with `ast`,
+so those tests import nothing they check. And the old module paths (before the move into packages) still import,
+as the very modules at the new paths, for everything the course and its tests write (zeroedu._aliases)."""
 
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "zeroedu"
@@ -95,3 +101,156 @@ def test_no_import_cycles():
 def test_a_cycle_is_found():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [frozenset("abc")]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+# -- old module paths (zeroedu._aliases) ---------------------------------------------------------------------------
+
+REPO = PACKAGE.parent
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter (imports are cached per process, so each question needs its own)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_no_module_left_at_an_old_path():
+    """The old paths are answered by the table, never by a stub file at the old place."""
+    from zeroedu._aliases import OLD_TO_NEW
+    stubs = [old for old in OLD_TO_NEW
+             if (REPO / (old.replace(".", "/") + ".py")).exists() or (REPO / old.replace(".", "/")).is_dir()]
+    assert not stubs, f"files at old paths: {stubs}"
+
+
+def test_each_old_path_is_the_new_module_itself():
+    """import old -> the very module object at the new path, loaded once from the new file; its own spec kept."""
+    result = _run(textwrap.dedent("""
+        import importlib, sys
+        import zeroedu
+        from zeroedu._aliases import OLD_TO_NEW
+        for old, new in OLD_TO_NEW.items():
+            a, b = importlib.import_module(old), importlib.import_module(new)
+            assert a is b, (old, new)
+            assert a.__name__ == new and a.__spec__.name == new, (old, a.__name__, a.__spec__.name)
+            assert getattr(zeroedu, old.split(".")[1]) is a, old   # zeroedu.viz after the import too
+        files = {}
+        for name, m in list(sys.modules.items()):
+            f = getattr(m, "__file__", None)
+            if name.startswith("zeroedu") and f:
+                files.setdefault(f, set()).add(id(m))
+        twice = [f for f, ids in files.items() if len(ids) > 1]
+        assert not twice, f"loaded twice: {twice}"
+        print("ok", len(OLD_TO_NEW))
+    """))
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_old_submodules_and_attribute_access():
+    result = _run(textwrap.dedent("""
+        import zeroedu
+        import zeroedu.stages.stage2, zeroedu.engine.stages.stage2
+        assert zeroedu.stages.stage2 is zeroedu.engine.stages.stage2
+        assert zeroedu.stages.stage2.Stage2 is zeroedu.engine.stages.Stage2
+        from zeroedu.offload.swap import SwapFile
+        from zeroedu.engine.extras.offload.swap import SwapFile as NewSwapFile
+        assert SwapFile is NewSwapFile and SwapFile.__module__ == "zeroedu.engine.extras.offload.swap"
+        import zeroedu as z
+        assert z.checkpointing is z.activation_checkpointing     # attribute access, no import statement
+        assert z.flat.Bucket is z.engine.flat.Bucket
+        print("ok")
+    """))
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_launch_is_the_package_and_the_function():
+    """zeroedu.launch(fn, world_size) works whichever of its submodules was imported first, and the package's
+    names stay reachable as zeroedu.launch.<name>."""
+    result = _run(textwrap.dedent("""
+        import zeroedu.launch.rank
+        import zeroedu.launch.status as status
+        import zeroedu
+        from zeroedu import launch
+        import cloudpickle, pickle
+        def who(rank, world):
+            return (rank, world)
+        assert zeroedu.launch(who, world_size=2, backend="gloo") == [(0, 2), (1, 2)]
+        assert launch is zeroedu.launch and zeroedu.launch.status is status and zeroedu.launch.LaunchError
+        assert pickle.loads(cloudpickle.dumps(zeroedu.launch)) is zeroedu.launch
+        print("ok")
+    """))
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_theory_loads_no_torch():
+    """The closed forms, the planner and the shared words need no torch (`zeroedu plan` on a machine without it)."""
+    result = _run("import sys, zeroedu.theory, zeroedu.theory.planner, zeroedu.planner, zeroedu.vocab; "
+                  "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[]", result.stdout
+
+
+def _zeroedu_imports(source: str) -> set[str]:
+    """The zeroedu import statements of a Python source, one normalized line each."""
+    # Notebook cells may hold IPython lines (%magic, !shell); they are not Python.
+    lines = [ln for ln in source.splitlines() if not ln.lstrip().startswith(("%", "!"))]
+    try:
+        tree = ast.parse("\n".join(lines))
+    except SyntaxError:
+        return set()
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {f"import {a.name}" for a in node.names if a.name.split(".")[0] == "zeroedu"}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "zeroedu":
+            names = ", ".join(a.name for a in node.names if a.name != "*")
+            if names:
+                out.add(f"from {node.module} import {names}")
+    return out
+
+
+def users_imports() -> dict[str, set[str]]:
+    """Every zeroedu import in the course and its tests: notebooks, solutions, exercises, tests, examples, scripts."""
+    found: dict[str, set[str]] = {}
+    for folder in ("notebooks", "solutions", "exercises"):
+        for path in sorted((REPO / folder).glob("*.ipynb")):
+            cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+            for cell in cells:
+                if cell["cell_type"] == "code":
+                    src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+                    for stmt in _zeroedu_imports(src):
+                        found.setdefault(stmt, set()).add(path.name)
+    for folder in ("tests", "examples", "scripts"):
+        for path in sorted((REPO / folder).glob("*.py")):
+            for stmt in _zeroedu_imports(path.read_text(encoding="utf-8")):
+                found.setdefault(stmt, set()).add(path.name)
+    return found
+
+
+def test_every_import_the_course_uses_still_works():
+    """Each `import zeroedu...` / `from zeroedu... import ...` written in a notebook, solution, exercise, test,
+    example or script runs in a fresh interpreter (the old paths among them)."""
+    found = users_imports()
+    assert any(s.startswith("from zeroedu.stages") for s in found), sorted(found)   # the finder found the old paths
+    script = textwrap.dedent("""
+        import json, sys
+        failed = {}
+        for stmt in json.loads(sys.argv[1]):
+            try:
+                exec(stmt, {})
+            except Exception as e:
+                failed[stmt] = repr(e)
+        # A module found outside this tree (another checkout's editable install answers a missing zeroedu.x
+        # from its own folder) would hide a path that this tree no longer has.
+        package = sys.argv[2]
+        for name, module in sys.modules.items():
+            where = getattr(module, "__file__", None) or package
+            if name.split(".")[0] == "zeroedu" and not where.startswith(package):
+                failed[name] = f"loaded from {module.__file__}, outside {package}"
+        print(json.dumps(failed))
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", script, json.dumps(sorted(found)), str(PACKAGE)],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    failed = json.loads(result.stdout.strip().splitlines()[-1])
+    assert not failed, "\n".join(f"{s}: {e} (in {sorted(found.get(s, []))})" for s, e in failed.items())

@@ -1,22 +1,41 @@
-"""zeroedu: DeepSpeed ZeRO stages 0-3, offload and ZeRO++, small enough to read, measured as it runs."""
+"""zeroedu: DeepSpeed ZeRO stages 0-3, offload and ZeRO++, small enough to read, measured as it runs.
 
+The API names load on first use, so `import zeroedu.theory` (closed forms), `zeroedu doctor` and `zeroedu plan`
+run without importing torch. Modules that moved into packages keep their old paths (zeroedu._aliases).
+"""
+
+import importlib
+import importlib.util
+
+from zeroedu import _aliases
 from zeroedu._version import __version__
+
+_aliases.install()
 
 __all__ = ["Config", "ConfigError", "initialize", "launch", "load_config", "__version__"]
 
-try:
-    from zeroedu.compose import initialize
-    from zeroedu.config import Config, ConfigError, load_config
-    from zeroedu.launch import launch
-except ModuleNotFoundError as _missing:
-    if _missing.name != "torch":
-        raise
-    # Without torch, `zeroedu doctor` still runs and says how to install it; the API names say so when used.
-    _TORCH_FIX = ("zeroedu needs torch, which is not installed in this environment. Install the pinned CPU build: "
-                  "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu (or `make "
-                  ".venv/.installed`); `zeroedu doctor` checks the rest.")
+_API = {"initialize": "zeroedu.compose", "Config": "zeroedu.config", "ConfigError": "zeroedu.config",
+        "load_config": "zeroedu.config"}
 
-    def __getattr__(name: str):
-        if name in __all__:
-            raise ImportError(f"zeroedu.{name}: {_TORCH_FIX}")
+_TORCH_FIX = ("zeroedu needs torch, which is not installed in this environment. Install the pinned CPU build: "
+              "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu (or `make "
+              ".venv/.installed`); `zeroedu doctor` checks the rest.")
+
+
+def __getattr__(name: str):
+    # launch is the package zeroedu/launch/, callable as the function (zeroedu._aliases.callable_module).
+    if name.startswith("__"):   # probes such as __path__ or __wrapped__ are not submodules
         raise AttributeError(f"module 'zeroedu' has no attribute {name!r}")
+    module_name = _API.get(name) or _aliases.new_name(f"zeroedu.{name}") or (
+        f"zeroedu.{name}" if name == "launch" or importlib.util.find_spec(f"zeroedu.{name}") else None)
+    if module_name is None:
+        raise AttributeError(f"module 'zeroedu' has no attribute {name!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as missing:
+        if missing.name != "torch":
+            raise
+        raise ImportError(f"zeroedu.{name}: {_TORCH_FIX}") from missing
+    value = getattr(module, name) if name in _API else module
+    globals()[name] = value
+    return value

@@ -8,9 +8,9 @@ import sys
 # command -> (module, function, one-line help). Modules are imported only when their command runs,
 # so `zeroedu --help` is instant and a broken optional piece cannot break the others.
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "tour": ("zeroedu.tour", "main", "train the embedded default at every stage; memory and comm vs theory"),
+    "tour": ("zeroedu.course.tour", "main", "train the embedded default at every stage; memory and comm vs theory"),
     "bench": ("zeroedu.bench", "main", "step time and memory of each stage against torch's own peers"),
-    "plan": ("zeroedu.planner", "main", "which stage for which model, cluster and network"),
+    "plan": ("zeroedu.theory.planner", "main", "which stage for which model, cluster and network"),
     "grade": ("zeroedu.grading.grader", "main", "grade exercise notebooks; gradebook as a table, JSON or CSV"),
     "build-exercises": ("zeroedu.grading.build", "main", "generate exercises/ from solutions/"),
     "consolidate": ("zeroedu.checkpoint", "main", "merge a sharded checkpoint into one fp32 state_dict"),

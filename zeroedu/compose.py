@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 from zeroedu import client
 from zeroedu.config import load_config
+from zeroedu.engine.extras.offload import OffloadMixin
+from zeroedu.engine.extras.zeropp import ZeroPPMixin
+from zeroedu.engine.stages import STAGES
 from zeroedu.launch import init_distributed
-from zeroedu.offload import OffloadMixin
-from zeroedu.stages import STAGES
-from zeroedu.zeropp import ZeroPPMixin
 
 
 def engine_class(cfg) -> type:

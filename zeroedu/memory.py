@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from zeroedu.vocab import MODEL_STATES  # noqa: F401 (engine and course import it from here)
+from zeroedu.theory.vocab import MODEL_STATES  # noqa: F401 (engine and course import it from here)
 
 CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_state", "buckets",
               "gathered_parameters", "activations", "temporaries", "other")

@@ -108,7 +108,7 @@ class TinyGPT(nn.Module):
         x = self.wte(idx) + self.wpe[: idx.shape[1]]
         for block in self.blocks:
             if self.cfg.checkpoint_activations:
-                from zeroedu.checkpointing import checkpoint
+                from zeroedu.activation_checkpointing import checkpoint
 
                 x = checkpoint(block, x)
             else:

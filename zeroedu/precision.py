@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroedu.vocab import DTYPE_NAMES
+from zeroedu.theory.vocab import DTYPE_NAMES
 
 DTYPES = {precision: getattr(torch, name) for precision, name in DTYPE_NAMES.items()}
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from zeroedu.bench.pairs import _mib, _peer_owned, _rank_device, _take_turns, _workload, zeroedu_config
-from zeroedu.vocab import MODEL_STATES
+from zeroedu.theory.vocab import MODEL_STATES
 
 
 # -- the host step's CPU Adam (zeroedu.offload.CPU_ADAM) -----------------------------------------------------------

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from zeroedu.fmt import fmt_bytes
-from zeroedu.vocab import MODEL_STATES
+from zeroedu.theory.vocab import MODEL_STATES
 
 
 def _workload(d_model: int, layers: int):

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from zeroedu import theory
-from zeroedu.vocab import MODEL_STATES
+from zeroedu.theory.vocab import MODEL_STATES
 
 GB = theory.GB
 
@@ -83,7 +83,7 @@ def engine_summary(engine, step: int = 1, since: float | None = None, timeline_s
 
     `since`/`timeline_step`: also the rank's timeline (viz.timeline_data) from that time and step. `state`: the
     full fp32 master weights (every rank takes part in gathering them when the engine is sharded)."""
-    from zeroedu import viz
+    from zeroedu.course import viz
 
     mem = engine.memory()
     out = {

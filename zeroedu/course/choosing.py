@@ -42,7 +42,7 @@ def calibrate_link(samples: Iterable[tuple[str, int, int, float]], name: str = "
     theory.fit_alpha_beta refuses it ("times do not grow with bytes"). Then alpha is set to 0 and beta is the
     least-squares bandwidth on the relative error (theory.fit_alpha_beta's own fallback when alpha comes out
     negative), and `note` says so in a sentence a notebook can show next to the numbers."""
-    from zeroedu import planner
+    from zeroedu.theory import planner
 
     samples = list(samples)
     try:

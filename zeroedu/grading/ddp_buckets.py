@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
+from zeroedu.engine.stages import Stage0
 from zeroedu.grading.learner_code import _itemsize, first_stub
 from zeroedu.grading.remote import in_kernel
 from zeroedu.grading.training import Case, TrainRun, train_on_ranks
-from zeroedu.stages import Stage0
 
 
 class HookedStage0(Stage0):

@@ -31,7 +31,7 @@ class _LearnerQuantizer:
     engine's), counting the calls."""
 
     def __init__(self, quantize: Callable, dequantize: Callable) -> None:
-        from zeroedu import zeropp
+        from zeroedu.engine.extras import zeropp
 
         self.quantize_blocks, self.dequantize_blocks, self.engine = quantize, dequantize, zeropp.BlockQuantizer()
 
@@ -56,9 +56,9 @@ def _qwz_engine(quantize: Callable, dequantize: Callable) -> Callable[[Case], ty
 
 
 def _qwz_class(quantize: Callable, dequantize: Callable, case: Case) -> type:
-    from zeroedu import zeropp
     from zeroedu.compose import engine_class
     from zeroedu.config import load_config
+    from zeroedu.engine.extras import zeropp
 
     zeropp.WEIGHT_BITS, zeropp.WEIGHT_BLOCK = 8, QWZ_BLOCK   # read by the engine when it is built
     base = engine_class(load_config(case.config(3)))

@@ -236,7 +236,7 @@ def shadowed_engine_names(nb: Any, submission: Any) -> list[str]:
 
 
 def _engine_class(bases: list[str]) -> type | None:
-    import zeroedu.stages as stages
+    import zeroedu.engine.stages as stages
 
     for base in bases:
         cls = getattr(stages, base, None)

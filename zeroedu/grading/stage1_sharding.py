@@ -7,10 +7,10 @@ extends it).
 
 from __future__ import annotations
 
+from zeroedu.engine.stages import Stage1
 from zeroedu.grading.learner_code import _itemsize, _learner_or, first_stub
 from zeroedu.grading.remote import in_kernel
 from zeroedu.grading.training import Case, TrainRun, train_on_ranks
-from zeroedu.stages import Stage1
 
 
 class ShardedRun(TrainRun):

@@ -11,11 +11,11 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from zeroedu.engine.stages import Stage2
 from zeroedu.grading.learner_code import _itemsize, _learner_or, first_stub
 from zeroedu.grading.remote import in_kernel
 from zeroedu.grading.stage1_sharding import ShardedRun
 from zeroedu.grading.training import Case, train_on_ranks
-from zeroedu.stages import Stage2
 
 
 class _FreedGrads:

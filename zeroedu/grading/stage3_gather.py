@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
+from zeroedu.engine.stages import Stage3
 from zeroedu.grading.learner_code import _learner_or, first_stub
 from zeroedu.grading.remote import in_kernel
 from zeroedu.grading.training import Case, TrainRun, train_on_ranks
-from zeroedu.stages import Stage3
 
 
 class _GatherMeter:

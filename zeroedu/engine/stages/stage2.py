@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from zeroedu.flat import Bucket
-from zeroedu.stages.stage1 import Stage1
+from zeroedu.engine.flat import Bucket
+from zeroedu.engine.stages.stage1 import Stage1
 
 
 class Stage2(Stage1):

@@ -56,11 +56,19 @@ import torch
 import torch.distributed as dist
 
 from zeroedu.engine import make_optimizer
+from zeroedu.engine.extras.offload.optimizer import OptimizerOffloadMixin
+from zeroedu.engine.extras.offload.params import ParamOffloadMixin
+from zeroedu.engine.extras.offload.swap import (
+    MARKER,
+    PREFIX,
+    OffloadError,
+    SwapFile,
+    SwapFolder,
+    check_nvme_path,
+    remove_stale,
+)
+from zeroedu.engine.extras.offload.transfers import LINKS, TransferMixin, transfer_seconds
 from zeroedu.memory import resident
-from zeroedu.offload.optimizer import OptimizerOffloadMixin
-from zeroedu.offload.params import ParamOffloadMixin
-from zeroedu.offload.swap import MARKER, PREFIX, OffloadError, SwapFile, SwapFolder, check_nvme_path, remove_stale
-from zeroedu.offload.transfers import LINKS, TransferMixin, transfer_seconds
 
 __all__ = ["CPU_ADAM", "LINKS", "MARKER", "PREFIX", "OffloadError", "OffloadMixin", "OptimizerOffloadMixin",
            "ParamOffloadMixin", "SwapFile", "SwapFolder", "TransferMixin", "check_nvme_path", "host_optimizer",

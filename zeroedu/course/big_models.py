@@ -30,7 +30,7 @@ def zero_r(rank: int, world: int) -> dict:
     recompute. (b) TinyGPT at stage 3, checkpointing each block, without and with the ZeRO-R section
     (partitioned, on the host, in a contiguous buffer): losses, block 0's device bytes, checkpointing's stats and
     host copies."""
-    from zeroedu import checkpointing
+    from zeroedu import activation_checkpointing as checkpointing
     from zeroedu.comm import Comm
     from zeroedu.memory import SavedActivations
     from zeroedu.models import TensorParallelMLP, TinyGPT, TinyGPTConfig, gpt_batch, gpt_loss, shard_batch
@@ -291,7 +291,7 @@ def hsdp_vs_hpz(rank: int, world: int, node: int = 2, sizes: tuple[int, ...] = (
 def node_traffic(per_rank: list[dict], node: int) -> dict:
     """For each run of `hsdp_vs_hpz`, from every rank's collectives: rank 0's count by op and the bytes a rank
     sends inside its node and to other nodes, averaged over ranks (zeroedu.zeropp.where_bytes_go)."""
-    from zeroedu.zeropp import where_bytes_go
+    from zeroedu.engine.extras.zeropp import where_bytes_go
 
     out = {}
     for name in per_rank[0]:

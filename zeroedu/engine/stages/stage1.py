@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from zeroedu.flat import Bucket
-from zeroedu.stages.stage0 import Stage0
+from zeroedu.engine.flat import Bucket
+from zeroedu.engine.stages.stage0 import Stage0
 
 
 class Stage1(Stage0):

@@ -34,11 +34,11 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from zeroedu import zero
-from zeroedu.checkpointing import recomputing
-from zeroedu.flat import Bucket, FlatLayout
-from zeroedu.stages.sizing import max_live_numel, module_units, prefetch_numel, reduce_bucket_numel
-from zeroedu.stages.stage2 import Stage2
-from zeroedu.stages.units import ForwardTrace, UnitState
+from zeroedu.activation_checkpointing import recomputing
+from zeroedu.engine.flat import Bucket, FlatLayout
+from zeroedu.engine.stages.sizing import max_live_numel, module_units, prefetch_numel, reduce_bucket_numel
+from zeroedu.engine.stages.stage2 import Stage2
+from zeroedu.engine.stages.units import ForwardTrace, UnitState
 
 
 class Stage3(Stage2):

@@ -16,7 +16,7 @@ import random
 import numpy as np
 import torch
 
-from zeroedu.checkpoint_format import FORMAT, FORMAT_VERSION, METADATA, CheckpointError, _self_hash
+from zeroedu.checkpoint.fileformat import FORMAT, FORMAT_VERSION, METADATA, CheckpointError, _self_hash
 
 # -- the engine side ------------------------------------------------------------------------------------------
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from zeroedu.stages.stage0 import Stage0
-from zeroedu.stages.stage1 import Stage1
-from zeroedu.stages.stage2 import Stage2
-from zeroedu.stages.stage3 import Stage3
+from zeroedu.engine.stages.stage0 import Stage0
+from zeroedu.engine.stages.stage1 import Stage1
+from zeroedu.engine.stages.stage2 import Stage2
+from zeroedu.engine.stages.stage3 import Stage3
 
 STAGES = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
 

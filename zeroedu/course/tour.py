@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from zeroedu.fmt import fmt_bytes
-from zeroedu.vocab import MODEL_STATES
+from zeroedu.theory.vocab import MODEL_STATES
 
 DEFAULT = {
     "train_micro_batch_size_per_gpu": 2,

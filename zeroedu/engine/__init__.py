@@ -139,7 +139,7 @@ class Engine:
         self.lr_scheduler = self.build_scheduler()
         if config.activation_checkpointing != type(config.activation_checkpointing)():
             # The section configures checkpoint(), process-wide, as in DeepSpeed.
-            from zeroedu import checkpointing
+            from zeroedu import activation_checkpointing as checkpointing
 
             checkpointing.configure(config, ledger=self.comm.ledger)
         for note in config.notes:
@@ -394,13 +394,13 @@ class Engine:
 
     def report_step(self) -> None:
         """After an optimizer step: what the logging keys ask for (zeroedu.report formats it)."""
-        from zeroedu import report
+        from zeroedu.engine import report
 
         report.after_step(self)
 
     def log_summary(self) -> str:
         """The ledger's per-collective summary (what deepspeed.comm.log_summary() prints with comms_logger)."""
-        from zeroedu import report
+        from zeroedu.engine import report
 
         text = report.comms_summary(self.ledger)
         self.log(text)

@@ -9,7 +9,7 @@ import errno
 import os
 import shutil
 
-from zeroedu.checkpoint_format import CheckpointError
+from zeroedu.checkpoint.fileformat import CheckpointError
 
 
 def _fsync_dir(path: str) -> None:

@@ -15,8 +15,8 @@ from concurrent.futures import Future
 import torch
 
 from zeroedu.engine import trim_timeline
-from zeroedu.flat import Bucket
-from zeroedu.offload.swap import OffloadError, SwapFile
+from zeroedu.engine.extras.offload.swap import OffloadError, SwapFile
+from zeroedu.engine.flat import Bucket
 
 
 def _state_bytes_per_element(cfg) -> int:

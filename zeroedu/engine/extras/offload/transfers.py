@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from zeroedu import links
 from zeroedu.comm import LedgerEntry
-from zeroedu.offload.swap import SwapFile, SwapFolder
+from zeroedu.engine.extras.offload.swap import SwapFile, SwapFolder
+from zeroedu.theory import links
 
 # Peak bandwidth per direction, bytes/s, for the "a step's transfer bytes -> time" arithmetic: host links (PCIe
 # x16) and drives (NVMe SSDs). The figures and their sources are in zeroedu.links, shared with zeroedu.planner.

@@ -32,7 +32,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from zeroedu.launch_status import _RankContext, _Slots, _watch_torch_distributed, start_reporting
+from zeroedu.launch.status import _RankContext, _Slots, _watch_torch_distributed, start_reporting
 
 KILL_GRACE = 3.0            # seconds between SIGTERM and SIGKILL when stopping ranks (their exit handlers run)
 # forkserver where the platform has it (Linux, macOS); ZEROEDU_START_METHOD=spawn to compare.

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from fractions import Fraction
 
-from zeroedu.vocab import (
+from zeroedu.theory.vocab import (
     MODEL_STATES,
     PRECISION_BYTES,
     ZEROPP_BLOCK_SIZE,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from zeroedu.engine import Engine
-from zeroedu.flat import Bucket, FlatLayout
-from zeroedu.stages.sizing import reduce_bucket_numel
+from zeroedu.engine.flat import Bucket, FlatLayout
+from zeroedu.engine.stages.sizing import reduce_bucket_numel
 
 
 class Stage0(Engine):

@@ -12,7 +12,7 @@ import queue
 
 import torch
 
-from zeroedu.flat import Bucket
+from zeroedu.engine.flat import Bucket
 
 
 class ParamOffloadMixin:

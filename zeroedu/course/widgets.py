@@ -1,6 +1,6 @@
 """ipywidgets calculators, each a thin layer over a pure function that returns text.
 
-    from zeroedu.widgets import memory_calculator, planner_widget
+    from zeroedu.course.widgets import memory_calculator, planner_widget
     memory_calculator()      # model size, N, stage, precision, offload -> bytes per rank and comm per step
     planner_widget()         # zeroedu.planner.plan for a model and a cluster
 
@@ -22,7 +22,8 @@ from collections.abc import Callable
 
 import ipywidgets as widgets
 
-from zeroedu import planner, theory
+from zeroedu import theory
+from zeroedu.theory import planner
 
 GB = theory.GB
 OFFLOADS = {   # label -> (offload_optimizer, offload_param)
@@ -143,7 +144,7 @@ def planner_summary(**kwargs) -> str:
 def _png(per_bar: dict[str, dict[str, int]], title: str) -> bytes:
     import matplotlib.pyplot as plt
 
-    from zeroedu import viz
+    from zeroedu.course import viz
 
     fig = viz.memory_bars(per_bar, title=title, unit="GB")
     ax = fig.axes[0]

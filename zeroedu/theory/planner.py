@@ -8,7 +8,7 @@ stage. Model states come from zeroedu.theory (exact, padded); activations are an
 below or with ones fitted to measurements (`calibrate`); `predict_seconds` applies the same model to a list of
 collectives, e.g. a live ledger's, to check it against the clock (notebook 13 does, on 4 gloo ranks).
 
-    from zeroedu.planner import plan, format_plan
+    from zeroedu.theory.planner import plan, format_plan
     print(format_plan(plan("70B", gpus=16, gpus_per_node=8, gpu_memory_gb=80)))
 """
 
@@ -22,8 +22,9 @@ import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from zeroedu import links, theory
+from zeroedu import theory
 from zeroedu.fmt import fmt_bytes
+from zeroedu.theory import links
 
 GB = theory.GB
 

@@ -36,8 +36,8 @@ import os
 import torch
 
 from zeroedu.comm import Comm, Ledger
-from zeroedu.flat import Bucket
-from zeroedu.vocab import ZEROPP_BLOCK_SIZE, ZEROPP_GRAD_BITS, ZEROPP_WEIGHT_BITS
+from zeroedu.engine.flat import Bucket
+from zeroedu.theory.vocab import ZEROPP_BLOCK_SIZE, ZEROPP_GRAD_BITS, ZEROPP_WEIGHT_BITS
 
 WEIGHT_BITS = ZEROPP_WEIGHT_BITS
 """qwZ code width, 8 (as in DeepSpeed: symmetric codes in [-127, 127]) or 4."""

@@ -59,8 +59,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from zeroedu.checkpoint_files import _commit, _fsync_dir, _write_atomic, _write_checked
-from zeroedu.checkpoint_format import (
+from zeroedu.checkpoint.fileformat import (
     FORMAT,
     LATEST,
     METADATA,
@@ -73,8 +72,11 @@ from zeroedu.checkpoint_format import (
     read_metadata,
     resolve,
 )
-from zeroedu.checkpoint_format import FORMAT_VERSION as FORMAT_VERSION  # zeroedu.checkpoint.FORMAT_VERSION, as before
-from zeroedu.checkpoint_state import (
+from zeroedu.checkpoint.fileformat import (
+    FORMAT_VERSION as FORMAT_VERSION,  # zeroedu.checkpoint.FORMAT_VERSION, as before
+)
+from zeroedu.checkpoint.files import _commit, _fsync_dir, _write_atomic, _write_checked
+from zeroedu.checkpoint.state import (
     _check_model,
     _extras,
     _master,

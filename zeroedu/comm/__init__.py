@@ -28,9 +28,16 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from zeroedu.collectives import ALGORITHMS, ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE, direct_together, native, single
-from zeroedu.comm_thread import Handle, worker
-from zeroedu.ledger import Ledger, LedgerEntry, _rebuild_ledger  # noqa: F401 (old pickles of a Ledger name it here)
+from zeroedu.comm.collectives import (
+    ALGORITHMS,
+    ALL_GATHER_SINGLE,
+    REDUCE_SCATTER_SINGLE,
+    direct_together,
+    native,
+    single,
+)
+from zeroedu.comm.ledger import Ledger, LedgerEntry, _rebuild_ledger  # noqa: F401 (old pickles of a Ledger name it here)
+from zeroedu.comm.thread import Handle, worker
 
 __all__ = ["ALL_GATHER_SINGLE", "AUTO_ON_GLOO", "REDUCE_SCATTER_SINGLE", "Comm", "Handle", "Ledger", "LedgerEntry"]
 

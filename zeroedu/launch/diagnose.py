@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 
-from zeroedu.launch_status import _RAW
+from zeroedu.launch.status import _RAW
 
 MISMATCH_SECONDS = 1.0      # two ranks stuck in different collectives this long: a mismatch, not a lag
 STACK_WAIT = 0.5            # seconds to wait for faulthandler stack dumps

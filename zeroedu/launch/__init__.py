@@ -42,7 +42,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from zeroedu.launch_diagnose import (
+from zeroedu._aliases import callable_module
+from zeroedu.launch.diagnose import (
     _collect_stacks,
     _describe,
     _died_message,
@@ -57,10 +58,10 @@ from zeroedu.launch_diagnose import (
     _View,
     _where_text,
 )
-from zeroedu.launch_rank import KILL_GRACE, _dumps, _loopback_interface, _main_without_a_file, _mp_context, _rank_main
-from zeroedu.launch_rundir import _RUN_DIR_PREFIX, _process_identity, _remove_stale_run_dirs
-from zeroedu.launch_status import _Slots, in_launched_rank, rank_context, report_status
-from zeroedu.launch_status import next_collective as next_collective  # zeroedu.comm imports it from here
+from zeroedu.launch.rank import KILL_GRACE, _dumps, _loopback_interface, _main_without_a_file, _mp_context, _rank_main
+from zeroedu.launch.rundir import _RUN_DIR_PREFIX, _process_identity, _remove_stale_run_dirs
+from zeroedu.launch.status import _Slots, in_launched_rank, rank_context, report_status
+from zeroedu.launch.status import next_collective as next_collective  # zeroedu.comm imports it from here
 from zeroedu.sysinfo import available_memory
 
 __all__ = ["CollectiveMismatchError", "LaunchError", "LaunchTimeoutError", "RankError", "RankHangError",
@@ -505,3 +506,7 @@ for _name in ("report_status", "init_distributed", "in_launched_rank", "LaunchEr
               "CollectiveMismatchError", "RankHangError", "LaunchTimeoutError"):
     setattr(launch, _name, globals()[_name])
 del _name
+
+# zeroedu.launch is this package; calling it calls launch() (`zeroedu.launch(train, world_size=4)`), whatever
+# submodule was imported first. zeroedu._aliases says why.
+callable_module(__name__, launch)
