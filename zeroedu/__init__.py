@@ -1,8 +1,9 @@
 """zeroedu: DeepSpeed ZeRO stages 0-3, offload and ZeRO++, small enough to read, measured as it runs."""
 
 from zeroedu._version import __version__
+from zeroedu.i18n import lang
 
-__all__ = ["Config", "ConfigError", "initialize", "launch", "load_config", "__version__"]
+__all__ = ["Config", "ConfigError", "initialize", "lang", "launch", "load_config", "__version__"]
 
 try:
     from zeroedu.compose import initialize
