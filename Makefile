@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: tour test ci lint nbval nbval-matrix exercises clean
+.PHONY: tour test ci lint nbval nbval-matrix exercises book zh-status clean
 
 $(STAMP): pyproject.toml scripts/install_torch.py
 	@command -v $(PY) >/dev/null || { echo "zeroedu needs Python 3.11 ($(PY) not found); set PY=/path/to/python3.11"; exit 1; }
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml scripts/install_torch.py
 tour: $(STAMP)
 	$(BIN)/zeroedu tour
 
-NOTEBOOKS := $(wildcard notebooks/*.ipynb solutions/*.ipynb)
+NOTEBOOKS := $(wildcard notebooks/*.ipynb notebooks/zh/*.ipynb solutions/*.ipynb)
 
 # CPU kernel sets for nbval. What nbval compares (bytes, counts, verdicts) must not depend on them; floats that do
 # are printed with viz.approx and masked (tests/nbval_sanitize.cfg). native: the best this CPU has; default: no
@@ -56,6 +56,17 @@ lint: $(STAMP)
 
 exercises: $(STAMP)
 	$(BIN)/zeroedu build-exercises
+
+# the course as a static web book, English and 中文, from the notebooks' saved outputs (no notebook runs); the cheat
+# sheets printed to PDF with Chromium where it is installed. Open build/book/index.html.
+book: $(STAMP)
+	$(BIN)/python -m zeroedu.course.cheatsheet --check
+	$(BIN)/python scripts/build_book.py $(if $(wildcard /usr/bin/chromium),--pdf,)
+	@echo "open build/book/index.html (English) or build/book/zh/index.html (中文)"
+
+# which Chinese lessons are out of step with their English cells (docs/zh/style.md says how to update them)
+zh-status: $(STAMP)
+	$(BIN)/python -m zeroedu.i18n status
 
 clean:
 	rm -rf $(VENV)

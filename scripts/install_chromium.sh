@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Install Debian's chromium for tests/test_browser.py (the real-browser JupyterLab test).
+# Install Debian's chromium for tests/test_browser.py (the real-browser JupyterLab test) and tests/test_book.py
+# (the web book; fonts-noto-cjk renders its Chinese pages and PDF, poppler-utils reads the PDF back).
 # Idempotent and quiet; always exits 0: where it cannot install, it says why and the browser test skips.
 # Playwright drives this system browser through executable_path, so no browser is ever downloaded.
 set -u
 
 CHROMIUM="${ZEROEDU_CHROMIUM:-/usr/bin/chromium}"
 
-if [ -x "$CHROMIUM" ]; then
-    exit 0  # already there: nothing to say
+if [ -x "$CHROMIUM" ] && { [ -n "${ZEROEDU_CHROMIUM:-}" ] || { command -v pdftotext >/dev/null 2>&1 && \
+        fc-list 2>/dev/null | grep -qi "noto.*cjk"; }; }; then
+    exit 0  # already there (with the CJK fonts and pdftotext the book test uses): nothing to say
 fi
 if [ -n "${ZEROEDU_CHROMIUM:-}" ]; then
     echo "install_chromium: ZEROEDU_CHROMIUM=$ZEROEDU_CHROMIUM is not an executable: fix the path or unset it" \
@@ -29,7 +31,7 @@ echo "install_chromium: installing Debian's chromium with apt-get (once; about a
 export DEBIAN_FRONTEND=noninteractive
 log="$(mktemp)"
 # bounded: a network that drops packets must not hold CI for its whole budget (a fresh install takes ~1.5 min)
-install() { timeout 900 apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core >>"$log" 2>&1; }
+install() { timeout 900 apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core fonts-noto-cjk poppler-utils >>"$log" 2>&1; }
 # a fresh container has empty package lists, an old one stale ones: update when the first try fails
 if (install || { timeout 600 apt-get update -qq >>"$log" 2>&1; install; }) && [ -x "$CHROMIUM" ]; then
     echo "install_chromium: installed $("$CHROMIUM" --version 2>/dev/null || echo "$CHROMIUM")."

@@ -9,10 +9,11 @@ import importlib.util
 
 from zeroedu import _aliases
 from zeroedu._version import __version__
+from zeroedu.i18n import lang
 
 _aliases.install()
 
-__all__ = ["Config", "ConfigError", "initialize", "launch", "load_config", "__version__"]
+__all__ = ["Config", "ConfigError", "initialize", "lang", "launch", "load_config", "__version__"]
 
 _API = {"initialize": "zeroedu.compose", "Config": "zeroedu.config", "ConfigError": "zeroedu.config",
         "load_config": "zeroedu.config"}
