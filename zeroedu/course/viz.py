@@ -1,7 +1,8 @@
 """The course's plots, in one style: memory per rank, bytes per collective, per-rank timelines, scaling.
 
 Every function takes plain numbers (dicts of bytes, lists of spans) that a notebook got back from its ranks,
-draws them, and returns the matplotlib Figure. Colours mean the same thing in every notebook: one colour per
+draws them, and returns the matplotlib Figure, its words in the notebook's language (zeroedu.lang, see
+zeroedu.i18n.figures). Colours mean the same thing in every notebook: one colour per
 memory category (zeroedu.memory.CATEGORIES) and one per collective. Theory is always drawn as a black
 marker on top of the measured bar, so "measured = theory" is something you can see, not only read.
 
@@ -22,6 +23,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
 from zeroedu.fmt import approx, byte_unit, fmt_bytes
+from zeroedu.i18n.figures import localize
 from zeroedu.memory import CATEGORIES
 
 __all__ = ["CATEGORY_COLORS", "OP_COLORS", "PHASE_COLORS", "alpha_beta_plot", "approx", "backward_segments",
@@ -122,7 +124,7 @@ def _finish_axes(fig: Figure, ax, x, labels: Sequence[str], ylabel: str, title: 
     _legend(ax)
     _apply_axes_style(ax)
     fig.tight_layout()
-    return fig
+    return localize(fig)
 
 
 def _finish_bars(fig: Figure, ax, x, labels: list[str], theory: Mapping[str, float] | None, scale: float,
@@ -254,7 +256,7 @@ def block_errors(errors: Sequence[float], bounds: Sequence[float], xlabel: str =
     ax.legend(loc="upper right", fontsize=LEGEND_SIZE, frameon=False)
     _apply_axes_style(ax)
     fig.tight_layout()
-    return fig
+    return localize(fig)
 
 
 def timeline_data(engine, since: float | None = None, step: int | None = None) -> dict:
@@ -354,7 +356,7 @@ def timeline(ranks: Sequence[Mapping], title: str = "What each rank does, over t
     _legend(ax, handles=handles)
     _apply_axes_style(ax, grid_axis="x")
     fig.tight_layout()
-    return fig
+    return localize(fig)
 
 
 def scaling_plot(measured: Mapping[str, Mapping[int, float]], theory: Mapping[str, Mapping[int, float]] | None = None,
@@ -404,7 +406,7 @@ def scaling_plot(measured: Mapping[str, Mapping[int, float]], theory: Mapping[st
     _legend(ax)
     _apply_axes_style(ax)
     fig.tight_layout()
-    return fig
+    return localize(fig)
 
 
 def loss_curves(curves: Mapping[str, Sequence[float] | tuple[Sequence[float], Sequence[float]]],
@@ -452,7 +454,7 @@ def loss_curves(curves: Mapping[str, Sequence[float] | tuple[Sequence[float], Se
         ax2.set_title("the difference, magnified")
         _apply_axes_style(ax2)
     fig.tight_layout()
-    return fig
+    return localize(fig)
 
 
 def alpha_beta_plot(sizes: Sequence[float], seconds: Mapping[str, Sequence[float]], world_size: int,
@@ -495,7 +497,7 @@ def alpha_beta_plot(sizes: Sequence[float], seconds: Mapping[str, Sequence[float
     _legend(ax)
     _apply_axes_style(ax)
     fig.tight_layout()
-    return fig
+    return localize(fig)
 
 
 def ring_grid(states: Sequence[np.ndarray], titles: Sequence[str] | None = None,
@@ -528,7 +530,7 @@ def ring_grid(states: Sequence[np.ndarray], titles: Sequence[str] | None = None,
         ax.grid(False)
     fig.suptitle(suptitle, fontsize=10)
     fig.tight_layout()
-    return fig
+    return localize(fig)
 
 
 # ---- notebook 08_offload ----------------------------------------------------------------------------------------
@@ -582,4 +584,4 @@ def offload_timelines(steps: Mapping[str, Mapping], min_width: float = 1 / 400) 
                 for o in seen_ops]
     _legend(axes[0, 0], handles=handles)
     fig.tight_layout()
-    return fig
+    return localize(fig)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import ipywidgets as widgets
 
 from zeroedu import theory
+from zeroedu.i18n import tr
 from zeroedu.theory import planner
 
 GB = theory.GB
@@ -33,6 +34,29 @@ OFFLOADS = {   # label -> (offload_optimizer, offload_param)
     "optimizer + params -> CPU": ("cpu", "cpu"),
     "optimizer + params -> NVMe": ("nvme", "nvme"),
 }
+
+
+# the controls' labels in Chinese (zeroedu.lang('zh'))
+LABELS_ZH = {
+    "parameters (billions)": "参数量（十亿）",
+    "N (ranks)": "N（rank 数）",
+    "ZeRO stage": "ZeRO stage",
+    "precision": "精度",
+    "offload": "卸载",
+    "grad accumulation": "梯度累积",
+    "model": "模型",
+    "GPUs": "GPU 数",
+    "GPUs per node": "每节点 GPU 数",
+    "GPU GB": "显存 GB",
+    "intra-node": "节点内互联",
+    "inter-node": "节点间互联",
+    "micro-batch": "微批次",
+    "sequence": "序列长度",
+}
+
+
+def _desc(label: str) -> str:
+    return tr(label, LABELS_ZH.get(label, label))
 
 
 def _b(n: float) -> str:
@@ -214,17 +238,17 @@ def memory_calculator(psi: float = 7.5e9, world_size: int = 64, stage: int = 3, 
     """Model size (billions), N, stage, precision, offload -> bytes per rank and comm per step."""
     controls = {
         "billions": widgets.BoundedFloatText(value=psi / 1e9, min=1e-9, max=1e5, step=0.1,
-                                             description="parameters (billions)", **_style()),
-        "world_size": widgets.BoundedIntText(value=world_size, min=1, max=1_000_000, description="N (ranks)",
+                                             description=_desc("parameters (billions)"), **_style()),
+        "world_size": widgets.BoundedIntText(value=world_size, min=1, max=1_000_000, description=_desc("N (ranks)"),
                                              **_style()),
         # a slider: drag it from 0 to 3 and watch each stage shard one more model state
         "stage": widgets.IntSlider(value=stage, min=min(theory.STAGES), max=max(theory.STAGES),
-                                   description="ZeRO stage", **_style()),
-        "precision": widgets.Dropdown(options=list(theory.PRECISIONS), value=precision, description="precision",
+                                   description=_desc("ZeRO stage"), **_style()),
+        "precision": widgets.Dropdown(options=list(theory.PRECISIONS), value=precision, description=_desc("precision"),
                                       **_style()),
-        "offload": widgets.Dropdown(options=list(OFFLOADS), value=offload, description="offload", **_style()),
-        "grad_accum": widgets.BoundedIntText(value=grad_accum, min=1, max=100_000, description="grad accumulation",
-                                             **_style()),
+        "offload": widgets.Dropdown(options=list(OFFLOADS), value=offload, description=_desc("offload"), **_style()),
+        "grad_accum": widgets.BoundedIntText(value=grad_accum, min=1, max=100_000,
+                                             description=_desc("grad accumulation"), **_style()),
     }
 
     def convert(kw: dict) -> dict:
@@ -249,19 +273,19 @@ def planner_widget(model: str = "7B", gpus: int = 8, gpus_per_node: int = 8, gpu
     links = [(name, name) for name in sorted(planner.LINKS)]
     links += [(lk.name, lk) for lk in {id(x): x for x in (intra, inter) if isinstance(x, planner.Link)}.values()]
     controls = {
-        "model": widgets.Dropdown(options=list(planner.PRESETS), value=model, description="model", **_style()),
-        "gpus": widgets.BoundedIntText(value=gpus, min=1, max=1_000_000, description="GPUs", **_style()),
-        "gpus_per_node": widgets.BoundedIntText(value=gpus_per_node, min=1, max=1024, description="GPUs per node",
-                                                **_style()),
-        "gpu_memory_gb": widgets.BoundedFloatText(value=gpu_memory_gb, min=1, max=10_000, description="GPU GB",
+        "model": widgets.Dropdown(options=list(planner.PRESETS), value=model, description=_desc("model"), **_style()),
+        "gpus": widgets.BoundedIntText(value=gpus, min=1, max=1_000_000, description=_desc("GPUs"), **_style()),
+        "gpus_per_node": widgets.BoundedIntText(value=gpus_per_node, min=1, max=1024,
+                                                description=_desc("GPUs per node"), **_style()),
+        "gpu_memory_gb": widgets.BoundedFloatText(value=gpu_memory_gb, min=1, max=10_000, description=_desc("GPU GB"),
                                                   **_style()),
-        "intra": widgets.Dropdown(options=links, value=intra, description="intra-node", **_style()),
-        "inter": widgets.Dropdown(options=links, value=inter, description="inter-node", **_style()),
-        "precision": widgets.Dropdown(options=list(theory.PRECISIONS), value=precision, description="precision",
+        "intra": widgets.Dropdown(options=links, value=intra, description=_desc("intra-node"), **_style()),
+        "inter": widgets.Dropdown(options=links, value=inter, description=_desc("inter-node"), **_style()),
+        "precision": widgets.Dropdown(options=list(theory.PRECISIONS), value=precision, description=_desc("precision"),
                                       **_style()),
-        "micro_batch": widgets.BoundedIntText(value=micro_batch, min=1, max=100_000, description="micro-batch",
+        "micro_batch": widgets.BoundedIntText(value=micro_batch, min=1, max=100_000, description=_desc("micro-batch"),
                                               **_style()),
-        "seq_len": widgets.BoundedIntText(value=seq_len, min=1, max=10_000_000, description="sequence",
+        "seq_len": widgets.BoundedIntText(value=seq_len, min=1, max=10_000_000, description=_desc("sequence"),
                                           **_style()),
     }
     return Calculator(controls, planner_text, summary=planner_summary)
