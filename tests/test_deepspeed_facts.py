@@ -186,3 +186,34 @@ def test_deepspeed_at_its_default_all_reduces_the_gradients_as_zeroedu_with_the_
     for off in (True, False):
         assert r["zeroedu", off]["all_gather"] == N * r["deepspeed", off]["all_gather_into_tensor"]
     assert r["data_types"] == ["torch.bfloat16", "torch.bfloat16"]
+
+
+def test_the_audited_estimates_are_deepspeeds_own_formulas():
+    """Notebook 18 quotes DeepSpeed's estimators as 2 + 18/N (stage 2) and 4 x largest layer + 18/N (stage 3) bytes
+    per parameter on the GPU without offload: called here on round numbers, next to those closed forms."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    from zeroedu.course.estimators import estimates
+
+    psi, largest, n = 7_000_000_000, 500_000_000, 8
+    assert estimate_zero2_model_states_mem_needs(psi, n, cpu_offload=False)[1] == 2 * psi + 18 * psi // n
+    assert estimate_zero3_model_states_mem_needs(psi, largest, n, cpu_offload=False,
+                                                 cpu_offload_params=False)[1] == 4 * largest + 18 * psi // n
+    est = estimates(psi, largest, n)
+    assert est["DeepSpeed estimate_zero*_model_states_mem_needs"] == {2: 2 * psi + 18 * psi // n,
+                                                                     3: 4 * largest + 18 * psi // n}
+    assert est["16 bytes per parameter"][2] == 16 * psi
+    assert est["zeroedu.theory (the paper's 2 + 14/N, 16/N)"][3] == pytest.approx(16 * psi / n)
+
+
+def test_a_bf16_weight_without_master_loses_updates_below_half_its_spacing():
+    """Casebook case 10: next to 1.0, bf16's spacing below is 2**-8, so an Adam update of about 1e-3 (below half of
+    it) rounds back to 1.0 at every step; through an fp32 master two updates add up past 2**-9 and the copy moves
+    to 1 - 2**-8."""
+    from zeroedu.course.casebook import masters_and_lr
+
+    moves = masters_and_lr(steps=3, lr=1e-3)
+    assert moves[False] == [1.0, 1.0, 1.0]
+    assert moves[True][0] == 1.0 and moves[True][1] == 1 - 2 ** -8
