@@ -72,8 +72,11 @@ def test_common_mistakes_quote_the_article_with_bilingual_verdicts():
                     for o in c.outputs)
     rows = [line for line in shown.splitlines() if line.startswith("| ") and not line.startswith("| ❌")]
     assert "| ❌ 原文 (the article) | 判定 verdict | ✅ 正确说法 |" in shown
-    assert len(rows) == shown.count("| 错 wrong |") >= 20, "every row graded, in both languages"
-    for quote in ("Stage 2 分片梯度，通信量约 DDP 的一半", "Stage 3 分片参数，通信量翻倍", "前向/反向无参数通信",
+    # The 18 claims graded wrong, in 16 rows (two rows quote two claims each) since issue 29 re-graded #15 (right),
+    # #22, #26, #27 and #32 (partly right) out of the crib sheet.
+    assert len(rows) == shown.count("| 错 wrong |") >= 16, "every row graded, in both languages"
+    assert "前向/反向无参数通信" not in shown, "#15 is right as stated (stage 2 gathers parameters after the step)"
+    for quote in ("Stage 2 分片梯度，通信量约 DDP 的一半", "Stage 3 分片参数，通信量翻倍",
                   "在 4 卡上模拟了 7B 模型各阶段的显存占用"):
         assert quote in shown, quote
     assert re.search(r"开/关 offload 每步都是 [\d,]+ 字节", shown), "the measured byte count, not a boolean"

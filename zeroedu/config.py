@@ -191,6 +191,12 @@ class ZeroConfig:
     contiguous_gradients: bool = True
     # Stages 1-3: reduce-scatter each gradient bucket (True), or all-reduce it and keep this rank's piece (False).
     reduce_scatter: bool = True
+    # Stages 1-2 only (h-facts, issue 29): True all-reduces each gradient bucket and keeps this rank's piece, as
+    # DeepSpeed's `average_tensor` (stage_1_and_2.py) does at its default (true since 0.12.4): 3 Psi elements a step
+    # with the parameter all-gather. zeroedu's default is False, the ZeRO paper's reduce-scatter (2 Psi elements a
+    # step, what DDP's all-reduce moves), because the course teaches the paper's volumes; set true to match
+    # DeepSpeed's bytes. DeepSpeed's stage 3 has no such key: there it changes nothing.
+    use_multi_rank_bucket_allreduce: bool = False
     # Without offload_optimizer the optimizer step runs over sub-groups of master pieces of at most this many
     # elements, one at a time. With offload_optimizer it is not applied (the host step runs over the whole shard at
     # once; the NVMe tier moves one bucket's piece at a time): a note says so. DeepSpeed reads it in its stage-3
@@ -569,7 +575,8 @@ def _parse_zero(p: _Problems, raw: dict[str, Any]) -> ZeroConfig:
     s, d = "zero_optimization", ZeroConfig()
     known = {
         "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
-        "reduce_scatter", "sub_group_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+        "reduce_scatter", "use_multi_rank_bucket_allreduce",
+        "sub_group_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
         "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
         "stage3_gather_fp16_weights_on_model_save", "offload_optimizer", "offload_param", "zero_quantized_weights",
         "zero_quantized_gradients", "zero_hpz_partition_size", *DEPRECATED_OFFLOAD,
@@ -605,6 +612,7 @@ def _parse_zero(p: _Problems, raw: dict[str, Any]) -> ZeroConfig:
         overlap_comm=p.get(s, raw, "overlap_comm", d.overlap_comm, _bool),
         contiguous_gradients=p.get(s, raw, "contiguous_gradients", True, _bool),
         reduce_scatter=p.get(s, raw, "reduce_scatter", True, _bool),
+        use_multi_rank_bucket_allreduce=p.get(s, raw, "use_multi_rank_bucket_allreduce", False, _bool),
         sub_group_size=p.get(s, raw, "sub_group_size", d.sub_group_size, _int, 1),
         round_robin_gradients=round_robin,
         stage3_prefetch_bucket_size=p.get(s, raw, "stage3_prefetch_bucket_size", None, _size, 0),

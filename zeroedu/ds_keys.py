@@ -54,7 +54,6 @@ REFUSED: dict[str, dict[str, str]] = {
         "mics_shard_size": "MiCS (sharding within sub-groups of ranks) is a different design from ZeRO's",
         "mics_hierarchical_params_gather": "MiCS (sharding within sub-groups of ranks) is a different design",
         "legacy_stage1": "the legacy stage-1 implementation does not exist here",
-        "use_multi_rank_bucket_allreduce": "a DeepSpeed-internal all-reduce variant",
         "memory_efficient_linear": "zeroedu does not replace torch.nn.Linear's autograd function",
         "zero_quantized_nontrainable_weights": "ZeRO++ here quantizes trainable weights only",
         "stage3_module_granularity_threshold": "zeroedu's stage-3 unit is always one module's own parameters",

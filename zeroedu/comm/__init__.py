@@ -6,7 +6,8 @@ Implementations of each collective:
   (`sent_measured=False`): an algorithmic figure, not an observation.
 - "ring": written here on isend/irecv, one neighbour to the next. `sent_bytes` adds up the payloads this rank
   actually handed to isend (`sent_measured=True`). gloo's reduce-scatter is an all-reduce plus a slice
-  (DESIGN.md), so on gloo the ring versions are also faster; `zeroedu bench --collectives` measures it.
+  (docs/benchmarks.md, "Measurements behind the code"; notebook 02, section 4, times it), so on gloo the ring
+  versions are also faster; `zeroedu bench --collectives` measures it.
 - "direct": every rank sends each other rank its piece at once. The same bytes per rank as the ring (counted
   the same way), in one round instead of N-1.
 - "auto": NCCL's own on GPUs; on gloo, per op, what measured fastest here among those that count their bytes.

@@ -44,10 +44,19 @@ class Stage1(Stage0):
         out = self.grad_out(b)
         self.overlap(lambda: self.reduce_to_piece(out, grads, b))
 
+    def all_reduces_buckets(self) -> bool:
+        """Does a gradient bucket go by all-reduce (then this rank keeps its piece) instead of reduce-scatter?
+        Yes with `reduce_scatter: false`, and at stages 1-2 with `use_multi_rank_bucket_allreduce: true`, which
+        is DeepSpeed's default (`average_tensor` in deepspeed/runtime/zero/stage_1_and_2.py all-reduces the bucket
+        whatever `reduce_scatter` says): the same gradient for twice the reduce bytes. DeepSpeed's stage 3 has
+        no such key, so it changes nothing there."""
+        zc = self.config.zero_optimization
+        return not zc.reduce_scatter or (self.stage in (1, 2) and zc.use_multi_rank_bucket_allreduce)
+
     def reduce_to_piece(self, out: torch.Tensor, grads: torch.Tensor, b: Bucket) -> None:
-        """out = this rank's piece of the bucket's gradient averaged over ranks. `reduce_scatter: false` gets it
-        from an all-reduce of the whole bucket instead: the same result for twice the bytes."""
-        if self.config.zero_optimization.reduce_scatter:
+        """out = this rank's piece of the bucket's gradient averaged over ranks: by reduce-scatter (the paper),
+        or from an all-reduce of the whole bucket (all_reduces_buckets): the same result for twice the bytes."""
+        if not self.all_reduces_buckets():
             self.comm.reduce_scatter(out, grads, average=True, kind="grads")
         else:
             self.comm.all_reduce(grads, average=True, kind="grads")

@@ -10,8 +10,9 @@ exist at once, so that one can fill while the other is on the wire, and between 
 states and nothing else. Without `reduce_bucket_size` in the config, a bucket is sized to the
 model (zeroedu.stages.sizing), not DeepSpeed's fixed 5e8 elements.
 
-Two DeepSpeed switches change this: `reduce_scatter: false` all-reduces each bucket and keeps this rank's
-piece (the same gradient for twice the bytes: a step moves 3 Psi instead of 2 Psi), and `contiguous_gradients:
+Three DeepSpeed switches change this: `reduce_scatter: false` and `use_multi_rank_bucket_allreduce: true`
+(DeepSpeed's default; zeroedu's is false, the paper's) each all-reduce each bucket and keep this rank's piece
+(the same gradient for twice the bytes: a step moves 3 Psi elements instead of 2 Psi), and `contiguous_gradients:
 false` changes nothing more here: each bucket's buffer is already a new tensor, freed once reduced.
 """
 
@@ -96,10 +97,10 @@ class Stage2(Stage1):
         """Add to each out this rank's piece of its buffer, averaged over ranks: one collective for them all (a
         bucket, or the units waiting in one). Runs on the comm thread under overlap_comm. ZeRO++'s qgZ
         replaces the collective here."""
-        if self.config.zero_optimization.reduce_scatter:
+        if not self.all_reduces_buckets():
             reduced = [torch.empty_like(out, dtype=bufs[0].dtype) for out in outs]
             self.comm.reduce_scatter_coalesced(reduced, bufs, average=True, kind="grads")
-        else:   # reduce_scatter false: all-reduce each bucket (2x the bytes) and keep this rank's piece
+        else:   # all-reduce each bucket (2x the bytes: DeepSpeed's default at stages 1-2) and keep this rank's piece
             reduced = []
             for buf, out in zip(bufs, outs, strict=True):
                 self.comm.all_reduce(buf, average=True, kind="grads")
