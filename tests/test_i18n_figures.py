@@ -40,7 +40,8 @@ def _plots():
                           title="Bytes each rank sends per step, bf16, N = 4")
     yield viz.loss_curves({"reference": [2.0, 1.5, 1.2], "stage 3": [2.0, 1.5, 1.2]}, title="")
     yield viz.block_errors([0.1, 0.2], [0.3, 0.3], title="int8 blocks of TinyGPT's embedding, one outlier planted")
-    yield viz.scaling_plot({"stage 3": {1: 16.0, 4: 4.0}}, {"stage 3": {1: 16.0, 4: 4.0}}, xlabel="N",
+    yield viz.scaling_plot({"stage 3": {1: 16.0, 4: 4.0}}, {"stage 3": {1: 16.0, 4: 4.0}},
+                           floors={"stage 1 floor: 4Ψ (parameters + gradients)": 4.0},
                            title="Bytes per rank per optimizer step, fp32, N = 4 (stages 0 and 1 coincide)")
 
 

@@ -3,7 +3,9 @@ notebook in notebooks/zh/ is exactly what the catalogue builds (so its code cell
 
 from __future__ import annotations
 
+import configparser
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -106,3 +108,39 @@ def test_lang_switch():
             i18n.lang("fr")
     finally:
         i18n.lang(before)
+
+
+def _sanitizers() -> list[tuple[re.Pattern, str]]:
+    """nbval's own replacements (tests/nbval_sanitize.cfg), so the comparison below masks what nbval masks."""
+    parser = configparser.ConfigParser()
+    parser.read(ROOT / "tests" / "nbval_sanitize.cfg", encoding="ascii")
+    return [(re.compile(parser[s]["regex"].encode().decode("unicode_escape")), parser[s]["replace"])
+            for s in parser.sections()]
+
+
+def _text_outputs(cell: dict, sanitizers) -> str:
+    """The text nbval compares for a code cell: streams and text/plain results, sanitised (images are not). Joined
+    into one string, since one kernel may flush a cell's prints as one stream output and another as several."""
+    text = "".join("".join(o.get("text", "")) if o["output_type"] == "stream" else
+                   "".join(o.get("data", {}).get("text/plain", "")) for o in cell.get("outputs", []))
+    for pattern, replace in sanitizers:
+        text = pattern.sub(replace, text)
+    return text
+
+
+@pytest.mark.parametrize("english", TRANSLATED, ids=lambda p: p.stem)
+def test_chinese_outputs_are_the_english_ones(english):
+    """Why `make test` runs nbval on the English notebooks only: a Chinese notebook runs the same code cells, and
+    the language switch changes only pictures and widgets, which nbval does not compare. So where its saved text
+    outputs equal the English ones (masked as nbval masks them), nbval over the Chinese notebook checks exactly
+    what nbval over the English one checks, and running it would run the same code twice for nothing. A lesson
+    whose printed text came to depend on the language would fail here; then give it an nbval run of its own."""
+    sanitizers = _sanitizers()
+    en = [c for c in _cells(english) if c["cell_type"] == "code"]
+    zh = [c for c in _cells(ed.zh_path(english)) if c["cell_type"] == "code" and c["id"] != ed.LANG_CELL_ID]
+    for e, z in zip(en, zh, strict=True):
+        if "NBVAL_IGNORE_OUTPUT" in "".join(e["source"]) or "NBVAL_SKIP" in "".join(e["source"]):
+            continue
+        assert _text_outputs(z, sanitizers) == _text_outputs(e, sanitizers), \
+            f"cell {e['id']}: the Chinese notebook's saved output differs from the English one " \
+            f"(re-run `python -m zeroedu.i18n build --execute {english.stem}` after re-executing the English)"

@@ -17,6 +17,7 @@ installed.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import warnings
 
@@ -55,6 +56,7 @@ PHRASES: dict[str, str] = {
     "gathered parameters": "聚合出的参数",
     "activations": "激活值",
     "temporaries": "临时张量",
+    "data-parallel ranks N": "数据并行 rank 数 N", "parameters + gradients": "参数 + 梯度",
     "other": "其他", "reference": "参考（单进程）", "bytes sent per rank": "每个 rank 发送的字节数",
     "largest |error| in the block (measured)": "块内最大 |误差|（实测）",
     "forward": "前向",
@@ -104,6 +106,10 @@ PATTERNS: list[tuple[re.Pattern, str | None]] = [
     (re.compile(r"^compute: (.+)$"), "计算：{0}"),
     (re.compile(r"^collective: (.+)$"), r"集合通信：\1"),
     (re.compile(r"^after step (\d+)$"), r"第 \1 步之后"),
+    (re.compile(r"^uninterrupted: stage (\d), (\d+) ranks$"), r"不中断：stage \1，\2 个 rank"),
+    (re.compile(r"^load, continue at stage (\d), (\d+) ranks$"), r"加载后以 stage \1、\2 个 rank 继续"),
+    (re.compile(r"^stage (\d), (\d+) ranks \(then save\)$"), r"stage \1、\2 个 rank（然后保存）"),
+    (re.compile(r"^stage (\d) floor: (\S+) \((.+)\)$"), "stage {0} 下限：{1}（{2}）"),
     (re.compile(r"^block of (\d+) elements$"), r"每块 \1 个元素"),
     (re.compile(r"^Model states on the device, per rank \(N = (\d+), bf16\)$"),
      r"每个 rank 设备上的模型状态（N = \1，bf16）"),
@@ -171,13 +177,17 @@ def localize(fig):
         new = translate(text.get_text())
         if new != text.get_text():
             text.set_text(new)
+    log = os.environ.get("ZEROEDU_I18N_LOG")    # translators: where the catalogue still misses a figure's words
+    if log:
+        with open(log, "a", encoding="utf-8") as f:
+            f.writelines(f"{t}\n" for t in untranslated(fig))
     return fig
 
 
 def untranslated(fig) -> list[str]:
     """The words of `fig` that are still English: letters and no catalogue entry (numbers and names pass)."""
     keep = re.compile(r"^\$|^[\d\s.,:%×x+\-−/()=≈]*$|^(all|reduce|broadcast|send|recv)[-_ a-z]*$|^stage \d|^N = \d|"
-                      r"^rank \d|^[A-Za-z]?\d")
+                      r"^rank \d|^batch \d|^[A-Za-z]?\d")
     return [t.get_text() for t in _texts(fig)
             if re.search(r"[A-Za-z]{3,}", t.get_text()) and not re.search(r"[\u4e00-\u9fff]", t.get_text())
             and not keep.search(t.get_text())]
