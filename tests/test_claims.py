@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,11 @@ from zeroedu.course import claims
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[1]
-SEED = Path("/work/shared/seed/000_bfa89fb48492c9a9.txt")
+# The seed article lives beside the repository (DESIGN.md: ../shared/seed/), not in it: the course may quote it but
+# does not copy it. ZEROEDU_SEED names another copy.
+SEED_NAME = "000_bfa89fb48492c9a9.txt"
+SEED = next((p for p in [Path(os.environ.get("ZEROEDU_SEED", "/nonexistent")), ROOT.parent / "shared" / "seed" / SEED_NAME,
+                         ROOT.parent.parent / "shared" / "seed" / SEED_NAME] if p.is_file()), ROOT.parent / "shared" / "seed" / SEED_NAME)
 FIXTURES = ROOT / "tests" / "claims_fixtures"
 NB15 = ROOT / "notebooks" / "15_interview.ipynb"
 
@@ -91,6 +96,8 @@ SCOREBOARD = {
     "13B on 8 A100s: stage 2 has 40% more throughput than stage 3 but 30% more memory": ("但显存多占 30%", "wrong"),
 }
 GRADE = {"right": "right", "partly right": "partly", "wrong": "wrong"}
+# 15's claim texts as the capstone's re-grade (issue 29) words them -> the text this table uses
+ALIASES = {"stage 2 has no parameter communication in forward or backward": "stage 2 has no parameter communication"}
 
 
 def _want(claim: str) -> str:
@@ -106,7 +113,8 @@ def _nb15_grades() -> dict[str, str]:
         for node in ast.walk(ast.parse(cell.source)):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add" and \
                     getattr(node.func.value, "id", "") == "V":
-                out[ast.literal_eval(node.args[2])] = GRADE[ast.literal_eval(node.args[3])]
+                claim = ast.literal_eval(node.args[2])
+                out[ALIASES.get(claim, claim)] = GRADE[ast.literal_eval(node.args[3])]
     return out
 
 
@@ -129,10 +137,14 @@ def _over(found: list[claims.Finding], a: int, b: int) -> list[claims.Finding]:
 
 
 def test_the_encoded_scoreboard_is_notebook_15s():
+    """Every claim of 15's scoreboard is here with 15's grade; the five re-graded ones carry 15's grade before the
+    re-grade (SCOREBOARD) or after it (REGRADED), so this holds on either side of that change."""
     grades = _nb15_grades()
     assert set(grades) == set(SCOREBOARD), set(grades) ^ set(SCOREBOARD)
     for claim, grade in grades.items():
-        if claim not in REGRADED:
+        if claim in REGRADED:
+            assert grade in {REGRADED[claim], "wrong", "partly"}, claim
+        else:
             assert SCOREBOARD[claim][1] == grade, claim
 
 
