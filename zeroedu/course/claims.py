@@ -707,7 +707,7 @@ def parallelism_recipes(sheet: Sheet, s: Sentence) -> list[Hit]:
 
 
 OPS = r"all-?gather|reduce-?scatter|all-?reduce|allreduce|allgather|broadcast"
-USES = re.compile(rf"(?:通信模式是|只(?:需要|用|做)|(?:用|使用|通过|靠)\s*|(?:uses?|runs?|only needs?|communicates with|"
+USES = re.compile(rf"(?:通信模式是|只[^，。；,]{{0,10}}?(?:需要|用|做|进行)|(?:用|使用|通过|靠)\s*|(?:uses?|runs?|only needs?|communicates with|"
                   rf"pattern is)\s+(?:an?\s+|only\s+)?)\s*((?:{OPS})(?:\s*(?:和|与|、|\+|,|，|加|and|plus)\s*(?:an?\s+)?(?:{OPS}))*)",
                   re.I)
 STAGE_OPS = {0: {"all-reduce"}, 1: {"reduce-scatter", "all-gather"}, 2: {"reduce-scatter", "all-gather"},
