@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -238,3 +239,21 @@ def test_bad_input_is_named():
         claims.check_text(b"bytes")           # type: ignore[arg-type]
     with pytest.raises(ValueError, match="lang must be"):
         claims.render([], "fr")
+
+
+def _answers_of_15(path: Path) -> str:
+    """Notebook 15's own answers: sections 2 and 3 (model answers, follow-ups), the summary and the questions; not
+    section 4 nor the appendix, which quote the article's claims in order to grade them."""
+    cells = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown"]
+    start = next(i for i, c in enumerate(cells) if c.startswith("## 2."))
+    end = next(i for i, c in enumerate(cells) if c.startswith("## 4."))
+    tail = [c for c in cells if re.search(r"^## (Summary|Check your understanding)", c, re.M)]
+    return "\n\n".join(cells[start:end] + tail)
+
+
+def test_the_capstones_own_answers_are_never_called_wrong():
+    """Notebook 15's answers were checked against live runs: a checker that calls any of them wrong is wrong."""
+    text = _answers_of_15(NB15)
+    found = claims.check_text(text)
+    assert not [f.quote for f in found if f.verdict == "wrong"]
+    assert sum(f.verdict == "right" for f in found) >= 15

@@ -109,9 +109,11 @@ class Sheet:
         self.sentences = list(self._sentences())
 
     def _sentences(self) -> Iterator[Sentence]:
-        pos = 0
+        pos, item = 0, 0
         for line in self.text.splitlines(keepends=True):
-            para = (pos, pos + len(line.rstrip("\n")))
+            if not (line[:1].isspace() and line.strip()) or pos == 0:
+                item = pos                  # an indented line continues the Markdown list item above it
+            para = (item, pos + len(line.rstrip("\n")))
             body_start = para[0]
             if REJECTED.search(line) and ACCEPTED.search(line):   # "❌ wrong answer → ✅ fix": check the fix only
                 cut = ACCEPTED.search(line, REJECTED.search(line).end())
@@ -133,7 +135,7 @@ class Sheet:
         before = [st for p, st in self.stages if s.start <= p < pos]
         if before:
             return before[-1]
-        para = [st for p, st in self.stages if s.para_start <= p < s.para_end]
+        para = [st for p, st in self.stages if s.para_start <= p < min(s.para_end, pos)]
         return para[0] if para else None
 
     def clause(self, s: Sentence, a: int, b: int) -> tuple[int, int]:
@@ -509,8 +511,9 @@ def accumulation(sheet: Sheet, s: Sentence) -> list[Hit]:
     return hits
 
 
-OFFLOAD_COMM = re.compile(r"(?:offload|卸载)[^。；]*?(?:减少|降低|缓解)(?:网络|跨卡|跨节点)?(?:通信压力|通信量|通信)|"
-                          r"offload\w*[^.;]*?(?:reduces?|cuts?|lowers?|relieves?)[^.;]*?communicat", re.I)
+OFFLOAD_COMM = re.compile(r"(?:offload|卸载)(?:(?!不|没|未)[^。；])*?(?:减少|降低|缓解)(?:网络|跨卡|跨节点)?(?:通信压力|通信量|通信)|"
+                          r"offload\w*(?:(?!\bnot\b|n't|never)[^.;])*?(?:reduces?|cuts?|lowers?|relieves?)[^.;]*?communicat",
+                          re.I)
 
 
 def _offload_numbers() -> tuple[float, float]:
@@ -563,13 +566,13 @@ def bandwidths(sheet: Sheet, s: Sentence) -> list[Hit]:
 
 
 NVME_FASTER = re.compile(r"NVMe[^。；]*?(?:二级|第二级|second(?:ary)?\s+(?:offload\s+)?tier)|"
-                         r"(?:优化|加速|提速)[^。；]{0,10}NVMe|NVMe[^。；.]*?(?:更快|faster|speed(?:s)? up)", re.I)
+                         r"(?:优化(?!器)|加速|提速)[^。；]{0,10}NVMe|NVMe[^。；.]*?(?:更快|faster|speed(?:s)? up)", re.I)
 
 
 @rule
 def nvme_tier(sheet: Sheet, s: Sentence) -> list[Hit]:
     """'用 NVMe 作为二级 offload 来优化': NVMe is a capacity tier, slower than host memory."""
-    if not re.search(r"优化|加速|提速|更快|optimi[sz]|faster|speed", s.text, re.I):
+    if not re.search(r"优化(?!器)|加速|提速|更快|optimi[sz]e|faster|speed", s.text, re.I):
         return []
     return [(m.start(), m.end(), "wrong",
              ("NVMe 是容量层（ZeRO-Infinity），只在 CPU 内存放不下时才用；它比 CPU 内存慢（一块 PCIe 4.0 NVMe 约 3.5-7 GB/s，"
@@ -855,7 +858,7 @@ def memory_total(sheet: Sheet, s: Sentence) -> list[Hit]:
     return hits
 
 
-OOM = re.compile(r"(?:直接|仍会|还是会|会)?(?:爆显存|放不下|装不下|OOM|out of memory|does not fit|doesn't fit|won't fit)", re.I)
+OOM = re.compile(r"(?<![不没])(?<!不会)(?:直接|仍会|还是会|会)?(?<!不会)(?<![不没])(?:爆显存|放不下|装不下|OOM|out of memory|does not fit|doesn't fit|won't fit)", re.I)
 GPU_MEM = re.compile(rf"(?:A100|H100|A800|H800|卡|GPU)\s*({NUM})\s*GB|({NUM})\s*GB\s*(?:的)?\s*(?:卡|GPU|A100|H100)", re.I)
 
 
@@ -891,7 +894,8 @@ def out_of_memory(sheet: Sheet, s: Sentence) -> list[Hit]:
 
 FROM_TO = re.compile(r"(优化器状态|梯度|参数)\s*从\s*(\d+)\s*[×xX*]\s*参数量\s*[（(]\s*(FP32|FP16|BF16)\s*[）)]", re.I)
 CATEGORY_BYTES = re.compile(rf"(?<!每)(?<!每个)(?<!per )(优化器状态|optimizer states?|梯度|gradients?|参数|parameters?|weights?)"
-                            rf"(?![^。；.，,]{{0,8}}?(?:模型状态|model states?))[^。；.，,]{{0,16}}?"
+                            rf"\s*(?:的)?\s*(?:每(?:个)?参数|per parameter)?\s*(?:是|为|占|要|需要|约|大约|共|each|takes?|is|are|of|[:：])?"
+                            rf"\s*(?:about\s+)?"
                             rf"({NUM})\s*(?:字节|bytes?)\s*(?:/\s*参数|每参数|per param(?:eter)?)?", re.I)
 TRUE_BYTES = {"optimizer": 12, "gradient": 2, "parameter": 2}
 
@@ -948,14 +952,20 @@ PER_PARAM = re.compile(rf"({NUM})\s*(?:字节\s*/\s*参数|字节每参数|B/par
 STAGE_COEF = {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)}
 
 
+MEMORY_WORDS = re.compile(r"显存|模型状态|每卡|memory|model states?|per GPU|holds|keeps", re.I)
+COMM_WORDS = re.compile(r"通信|每步|communicat|sends?\b|per step|all-?gather|reduce-?scatter|all-?reduce", re.I)
+
+
 @rule
 def bytes_per_parameter(sheet: Sheet, s: Sentence) -> list[Hit]:
     """'混合精度 Adam 每参数 16 字节', 'ZeRO-2 每卡 2Ψ + 14Ψ/N', '16Φ'."""
-    if not re.search(r"显存|模型状态|memory|model states?|字节|bytes", s.text, re.I) or \
-            re.search(r"通信|communicat|sends|all-?gather|reduce-?scatter", s.text, re.I):
+    if not re.search(r"显存|模型状态|memory|model states?|字节|bytes", s.text, re.I) or COMM_WORDS.search(s.text):
         return []
     hits = []
     for m in PER_PARAM.finditer(sheet.text, s.start, s.end):
+        a0, a1 = sheet.clause(s, m.start(), m.end())
+        if m.group(3) and not MEMORY_WORDS.search(sheet.text[a0:a1]):
+            continue                                 # a Ψ that is not said to be memory: not this rule's
         if m.group(3):
             expr = m.group(3)
             if not re.search(r"\d", expr):
@@ -964,10 +974,14 @@ def bytes_per_parameter(sheet: Sheet, s: Sentence) -> list[Hit]:
             b = sum(Fraction(c or 1) for c, d in re.findall(rf"({NUM})?\s*{PSI}(\s*/\s*N)?", expr) if d)
         else:
             a, b = Fraction(m.group(1) or m.group(2)), Fraction(0)
-        stage = _stage_of(sheet, s, m.start())
-        if stage is None or re.search(r"(?:优化器状态|梯度|optimizer states?|gradients?)[^，,。；]*$",
-                                      sheet.text[s.start:m.start()], re.I):
+        if re.search(r"(?:优化器状态|梯度|optimizer states?|gradients?)[^，,。；]*$", sheet.text[s.start:m.start()], re.I):
             continue                                 # one category's bytes: bytes_per_category reads them
+        stage = _stage_of(sheet, s, m.start(), default=None)
+        if stage is None:                            # no stage named: only the whole-model counts are safe to read
+            mixed = re.search(r"混合精度|mixed", s.text, re.I)
+            if b or not (a in (16, 18, 20) or (a == 8 and mixed)):
+                continue
+            stage = 0
         if b == 0 and stage > 0 and not _gpus(s):
             continue                                 # "4 bytes" without N at stage >= 1: a part, not the total
         truth = STAGE_COEF[stage]
@@ -1062,6 +1076,16 @@ def _claimish(text: str) -> bool:
     return bool(CLAIMISH.search(text))
 
 
+NEGATED = re.compile(r"不是|并非|不会|没有|不能|isn't|is not|\bnot\b|n't|\bnever\b", re.I)
+QUESTION = re.compile(r"^\W*(?:为什么|怎么|什么|是否|如何|why|how|what|which|does|do|is|are|can)\b", re.I)
+
+
+def _question(sheet: Sheet, s: Sentence) -> bool:
+    """A question asks; it claims nothing (its answer, on the next line, does)."""
+    after = sheet.text[s.end:s.end + 1]
+    return after in ("?", "？") or s.text.endswith(("?", "？")) or bool(QUESTION.match(s.text))
+
+
 def check_text(text: str, lang: str | None = None) -> list[Finding]:
     """Every claim found in `text`, in order: the ones the rules grade, and the rest as not_checked."""
     if not isinstance(text, str):
@@ -1072,9 +1096,11 @@ def check_text(text: str, lang: str | None = None) -> list[Finding]:
     found: list[Finding] = []
     for s in sheet.sentences:
         mine: dict[tuple[int, int], Finding] = {}
-        for fn in RULES:
+        for fn in RULES if not _question(sheet, s) else ():
             for a, b, verdict, correct, evidence in fn(sheet, s):
                 start, end = sheet.clause(s, a, b)
+                if NEGATED.search(text[start:b]):
+                    continue            # "不是 DDP 的一半", "does not reduce": the rule reads the claim the other way
                 if any(f.start <= a < f.end and f.rule != fn.__name__ for f in mine.values()):
                     continue            # an earlier rule already read this part of the sentence
                 key = (start, end)
