@@ -259,6 +259,8 @@ DDP_RATIO = [
 @rule
 def stage_vs_ddp(sheet: Sheet, s: Sentence) -> list[Hit]:
     """'Stage 2 通信量约 DDP 的一半', 'stage 3 sends 2x DDP', 'Stage 3 通信量翻倍'."""
+    if ZEROPP.search(s.text) or re.search(r"跨节点|cross-node|inter-node", s.text, re.I):
+        return []                 # ZeRO++'s cuts: the zeropp rule reads them
     hits = []
     for pattern in DDP_RATIO:
         for m in pattern.finditer(sheet.text, s.start, s.end):
@@ -336,7 +338,7 @@ def zero_communicates_more(sheet: Sheet, s: Sentence) -> list[Hit]:
 STAGE_VS_STAGE = [
     re.compile(r"(?:Stage|ZeRO[-\s]?)\s*([0-3])\s*(?:的)?\s*通信量?\s*(?:约|大约|大概)?(?:是|为)?\s*(?:Stage|ZeRO[-\s]?)\s*([0-3])"
                r"\s*的\s*([0-9.]*N|\d+(?:\.\d+)?|两|一半)\s*倍?"),
-    re.compile(r"(?:stage|ZeRO-)\s*([0-3])\s+(?:sends|communicates|moves)[^.;]{0,20}?\b(\d+(?:\.\d+)?|\d*N)\s*(?:x|×|times)"
+    re.compile(r"(?:stage|ZeRO-)\s*([0-3])\s+(?:sends|communicates|moves)[^.;]{0,20}?(?<![/)\w.])(\d+(?:\.\d+)?|\d*N)\s*(?:x|×|times)"
                r"\s+(?:what\s+|the bytes of\s+)?(?:stage|ZeRO-)\s*([0-3])", re.I),
 ]
 DIFF_TIMES = re.compile(r"差\s*(\d+)\s*倍|(\d+)\s*(?:x|×|times)\s+(?:more|apart|difference)", re.I)
@@ -345,6 +347,8 @@ DIFF_TIMES = re.compile(r"差\s*(\d+)\s*倍|(\d+)\s*(?:x|×|times)\s+(?:more|apa
 @rule
 def stage_vs_stage(sheet: Sheet, s: Sentence) -> list[Hit]:
     """'Stage 3 通信量约是 Stage 2 的 2N 倍', 'N=64 时差 128 倍': 1.5x at every N."""
+    if re.search(r"梯度累积|accumulat|micro-?step", s.text, re.I):
+        return []                 # with accumulation the ratio depends on A: stage_vs_ddp reads those
     hits = []
     for i, pattern in enumerate(STAGE_VS_STAGE):
         for m in pattern.finditer(sheet.text, s.start, s.end):
@@ -952,6 +956,8 @@ PER_PARAM = re.compile(rf"({NUM})\s*(?:字节\s*/\s*参数|字节每参数|B/par
 STAGE_COEF = {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)}
 
 
+PART_WORDS = re.compile(r"冻结|frozen|LoRA|adapter|适配器|激活|activation|moments?\b|动量|方差|variance|master|主权重|buffer|缓冲|"
+                        r"the base\b", re.I)
 MEMORY_WORDS = re.compile(r"显存|模型状态|每卡|memory|model states?|per GPU|holds|keeps", re.I)
 COMM_WORDS = re.compile(r"通信|每步|communicat|sends?\b|per step|all-?gather|reduce-?scatter|all-?reduce", re.I)
 
@@ -976,10 +982,11 @@ def bytes_per_parameter(sheet: Sheet, s: Sentence) -> list[Hit]:
             a, b = Fraction(m.group(1) or m.group(2)), Fraction(0)
         if re.search(r"(?:优化器状态|梯度|optimizer states?|gradients?)[^，,。；]*$", sheet.text[s.start:m.start()], re.I):
             continue                                 # one category's bytes: bytes_per_category reads them
+        if PART_WORDS.search(s.text):
+            continue                                 # a part of the model states (frozen base, moments...)
         stage = _stage_of(sheet, s, m.start(), default=None)
         if stage is None:                            # no stage named: only the whole-model counts are safe to read
-            mixed = re.search(r"混合精度|mixed", s.text, re.I)
-            if b or not (a in (16, 18, 20) or (a == 8 and mixed)):
+            if b or a not in (16, 18, 20):
                 continue
             stage = 0
         if b == 0 and stage > 0 and not _gpus(s):
@@ -1080,6 +1087,10 @@ NEGATED = re.compile(r"不是|并非|不会|没有|不能|isn't|is not|\bnot\b|n
 QUESTION = re.compile(r"^\W*(?:为什么|怎么|什么|是否|如何|why|how|what|which|does|do|is|are|can)\b", re.I)
 
 
+JUDGED = re.compile(r"[\"“「]([^\"”」\n]{4,200})[\"”」]\s*(?:is|are|was)?\s*(?:wrong|right|false|true|是错的|错在|不对|对吗|错)",
+                    re.I)
+
+
 def _question(sheet: Sheet, s: Sentence) -> bool:
     """A question asks; it claims nothing (its answer, on the next line, does)."""
     after = sheet.text[s.end:s.end + 1]
@@ -1094,12 +1105,13 @@ def check_text(text: str, lang: str | None = None) -> list[Finding]:
     sheet = Sheet(text, lang)
     pick = 0 if sheet.lang == "zh" else 1
     found: list[Finding] = []
+    judged = [(m.start(1), m.end(1)) for m in JUDGED.finditer(text)]     # "X" is wrong: X is quoted, not claimed
     for s in sheet.sentences:
         mine: dict[tuple[int, int], Finding] = {}
         for fn in RULES if not _question(sheet, s) else ():
             for a, b, verdict, correct, evidence in fn(sheet, s):
                 start, end = sheet.clause(s, a, b)
-                if NEGATED.search(text[start:b]):
+                if NEGATED.search(text[start:b]) or any(qa <= a < qb for qa, qb in judged):
                     continue            # "不是 DDP 的一半", "does not reduce": the rule reads the claim the other way
                 if any(f.start <= a < f.end and f.rule != fn.__name__ for f in mine.values()):
                     continue            # an earlier rule already read this part of the sentence
