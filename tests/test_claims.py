@@ -174,7 +174,7 @@ def test_seed_no_right_claim_called_wrong_and_nothing_dropped(seed):
         assert _over(found, a, b), text[a:b]
 
 
-@pytest.mark.parametrize("name", ["planted_zh.md", "planted_en.md"])
+@pytest.mark.parametrize("name", ["planted_zh.md", "planted_en.md", "public_zh.md"])
 def test_planted_sheets_every_error_found_and_no_right_claim_called_wrong(name):
     expected = json.loads((FIXTURES / "expected.json").read_text(encoding="utf-8"))[name]
     text = (FIXTURES / name).read_text(encoding="utf-8")
@@ -183,7 +183,7 @@ def test_planted_sheets_every_error_found_and_no_right_claim_called_wrong(name):
     for fragment, want in expected:
         got = {f.verdict for f in _over(found, *_span(text, fragment))}
         assert got == ({"not_checked"} if want is None else {want}), (fragment, want, got)
-    assert sum(w == "wrong" for _, w in expected) >= 8
+    assert sum(w == "wrong" for _, w in expected) >= (2 if name == "public_zh.md" else 8)
     # the output speaks the sheet's language
     wrong = [f for f in found if f.verdict == "wrong"]
     cjk = [bool(claims.CJK.search(f.correct)) for f in wrong]

@@ -248,6 +248,7 @@ DDP_RATIO = [
     re.compile(r"(?:通信量?|通信开销)[^，。；]{0,12}?DDP\s*的\s*(1/N|一半|两倍|\d+(?:\.\d+)?\s*倍|\d+\s*/\s*\d+)"),
     re.compile(r"(?:通信量?|通信开销)[^，。；]{0,8}?(翻倍|减半|加倍)"),
     re.compile(r"(?:通信量?|通信开销)[^，。；]{0,8}?(?:与|和|跟)\s*DDP\s*(相同|一样|相等)"),
+    re.compile(r"(?:与|和|跟)\s*DDP\s*(?:的)?\s*通信量?\s*(?:也|完全)?(相同|一样|相等)"),
     re.compile(r"(?:sends?|communicat\w*|communication(?: volume)?)[^.;,]{0,30}?\b(\d+(?:\.\d+)?)\s*(?:x|×|times)\s+"
                r"(?:what\s+|the bytes of\s+|that of\s+)?DDP", re.I),
     re.compile(r"(?:sends?|communicat\w*)[^.;,]{0,30}?\b(1/N|half|twice)\b[^.;,]{0,12}?DDP", re.I),
@@ -411,6 +412,7 @@ TOTAL_VOLUME = [
                rf"(?:\s*/\s*(?:N|\d+))?(?:\s*\+\s*(?:{NUM})?\s*{PSI}(?:\s*/\s*(?:N|\d+))?)*)"),
     re.compile(rf"(?:stage|ZeRO-)\s*([0-3])\s+(?:sends|moves|communicates)\s+(?:about\s+)?((?:{NUM})?\s*{PSI}"
                rf"(?:\s*/\s*(?:N|\d+))?(?:\s*\+\s*(?:{NUM})?\s*{PSI}(?:\s*/\s*(?:N|\d+))?)*)", re.I),
+    re.compile(rf"(?:通信量|communication volume)\s*(?:是|为|约|约为|is|of)\s*((?:{NUM})?\s*{PSI}(?:\s*/\s*(?:N|\d+))?)(?![\s]*[+/])"),
     re.compile(rf"(?:总计|总共|合计|in total|totals?)\s*[:：=]?\s*((?:{NUM})?\s*{PSI}(?:\s*/\s*(?:N|\d+))?"
                rf"(?:\s*\+\s*(?:{NUM})?\s*{PSI}(?:\s*/\s*(?:N|\d+))?)*(?:\s*≈\s*(?:{NUM})?\s*{PSI})?)", re.I),
 ]
@@ -426,6 +428,8 @@ def stage_volume(sheet: Sheet, s: Sentence) -> list[Hit]:
         for m in pattern.finditer(sheet.text, s.start, s.end):
             if i < 2:
                 stage, expr = int(m.group(1)), m.group(2)
+            elif i == 2:
+                stage, expr = sheet.stage_at(s, m.start()), m.group(1)
             else:
                 stage, expr = sheet.stage_at(s, m.start()), m.group(1)
                 expr = expr.split("≈")[-1]
@@ -742,6 +746,10 @@ def collectives_of_stage(sheet: Sheet, s: Sentence) -> list[Hit]:
         only = bool(re.search(r"只|only", m.group(0), re.I))
         extra, missing = named - truth, truth - named
         what = sheet.text[m.end():m.end() + 40]
+        c0, c1 = sheet.clause(s, m.start(), m.end())
+        clause = sheet.text[c0:c1]
+        if not re.search(r"参数|parameter|weight", clause, re.I):
+            what += clause                           # '梯度用 all-gather 聚合': the object comes first
         if re.search(r"梯度|gradient", what, re.I) and named <= {"all-gather", "broadcast"}:
             extra = extra | {"all-gather (of gradients)"}          # gradients are reduced, never only gathered
         if re.search(r"参数|parameter|weight", what, re.I) and named == {"reduce-scatter"}:
@@ -951,7 +959,7 @@ def bytes_per_category(sheet: Sheet, s: Sentence) -> list[Hit]:
 
 
 PER_PARAM = re.compile(rf"({NUM})\s*(?:字节\s*/\s*参数|字节每参数|B/param|bytes? per param(?:eter)?|bytes?/param)|"
-                       rf"每(?:个)?参数\s*(?:要|需要|占|是)?\s*({NUM})\s*(?:个)?字节|"
+                       rf"每(?:个)?参数\s*(?:的)?\s*(?:模型状态)?\s*(?:要|需要|占|是)?\s*({NUM})\s*(?:个)?字节|"
                        rf"((?:{NUM})?\s*{PSI}(?:\s*/\s*N)?(?:\s*\+\s*(?:{NUM})?\s*{PSI}(?:\s*/\s*N)?)*)", re.I)
 STAGE_COEF = {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)}
 
