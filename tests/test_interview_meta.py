@@ -1,6 +1,6 @@
 """The interview capstone (notebook 15) and its exercise (ex10) as a candidate meets them: model answers at three
 lengths in 中文 and English, a 中文 answer under every follow-up, the crib sheet's mistakes in its own
-❌ 原文 → ✅ 正确说法 format with bilingual verdicts, and ex10's hidden sheet out of the learner's reach."""
+❌ 原文 → ✅ 正确说法 format with bilingual verdicts, and ex10's hidden rubric out of the learner's reach."""
 
 from __future__ import annotations
 
@@ -83,26 +83,26 @@ def test_common_mistakes_quote_the_article_with_bilingual_verdicts():
     assert not re.search(r"[：:]\s*(True|False)[）)]", shown), "print the measured number, not a boolean"
 
 
-def _hidden_sheet() -> list[ex10.Claim]:
+def _hidden_rubric() -> list[ex10.Expect]:
     nb = nbformat.read(ROOT / "solutions" / "ex10_spot_the_errors.ipynb", as_version=4)
     cell = next(c for c in nb.cells
-                if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "ex10-hidden-numbers")
+                if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "ex10-hidden-answers")
     assert "### BEGIN HIDDEN TESTS" in cell.source
-    space: dict = {"ex10": ex10, "check": lambda *args: None, "correct": None}
+    space: dict = {"ex10": ex10, "check": lambda *args: None, "ANSWERS": None}
     exec(cell.source, space)
-    return space["SHEET_B"]
+    return space["RUBRIC_B"]
 
 
-def test_ex10_hidden_sheet_is_in_no_module_the_exercise_can_import():
+def test_ex10_hidden_rubric_is_in_no_module_the_exercise_can_import():
     """The graded kernel can import and read the whole zeroedu package (solutions/ is hidden by the sandbox and
-    not importable): no file of the package, nor the exercise, may hold the hidden sheet."""
-    sheet = _hidden_sheet()
-    assert len(sheet) >= 10 and not hasattr(ex10, "SHEET_B")
+    not importable): no file of the package, nor the exercise, may hold the hidden rubric's hints."""
+    rubric = _hidden_rubric()
+    assert len(rubric) >= 3 and not hasattr(ex10, "RUBRIC_B")
     package = ROOT / "zeroedu"
     texts = {p: p.read_text(encoding="utf-8", errors="ignore") for p in package.rglob("*")
              if p.is_file() and p.suffix in (".py", ".json", ".txt", ".md", ".cfg", ".toml")}
     exercise = (ROOT / "exercises" / "ex10_spot_the_errors.ipynb").read_text(encoding="utf-8")
-    for claim in sheet:
-        for words in (claim.zh, claim.en):
-            assert not [str(p) for p, t in texts.items() if words in t], f"{claim.id} is readable in zeroedu/"
-            assert words not in exercise and json.dumps(words)[1:-1] not in exercise, f"{claim.id} in the exercise"
+    for r in rubric:
+        for _, words in r.mistakes:
+            assert not [str(p) for p, t in texts.items() if words in t], f"{r.id} is readable in zeroedu/"
+            assert words not in exercise and json.dumps(words)[1:-1] not in exercise, f"{r.id} in the exercise"

@@ -97,8 +97,8 @@ def test_committed_with_outputs_of_a_clean_run(path):
 LESSONS = {"00_start_here": "A", "01_memory_anatomy": "A", "02_collectives": "A", "03_stage0_ddp": "A",
            "04_stage1": "A", "05_stage2": "B", "06_stage3": "B", "07_scaling": "B", "08_offload": "B",
            "09_zeropp": "B", "10_checkpoints": "B", "11_activations_zero_r": "BS", "12_big_models_real_world": "BS",
-           "13_choosing": "S", "14_graduating_deepspeed": "S", "15_interview": "S", "17_casebook": "S",
-           "18_estimator_audit": "S"}
+           "13_choosing": "S", "14_graduating_deepspeed": "S", "15_interview": "S",
+           "16_interview_trainer": "S", "17_casebook": "S", "18_estimator_audit": "S"}
 LESSON_PATHS = [ROOT / "notebooks" / f"{name}.ipynb" for name, shape in LESSONS.items() if "A" in shape]
 NOTEBOOK_LINK = re.compile(r"\(((\d\d)_[a-z0-9_]+\.ipynb)\)")
 MAX_CODE_LINES = 25

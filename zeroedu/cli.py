@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "build-exercises": ("zeroedu.grading.build", "main", "generate exercises/ from solutions/"),
     "consolidate": ("zeroedu.checkpoint", "main", "merge a sharded checkpoint into one fp32 state_dict"),
     "doctor": ("zeroedu.doctor", "main", "check that this machine can run the course, with fixes"),
+    "check-claims": ("zeroedu.course.claims", "main", "check a ZeRO crib sheet's claims: ❌ 原文 → ✅ 正确说法"),
 }
 
 
