@@ -1,6 +1,8 @@
 """Real-world DeepSpeed configs, as their authors wrote them, each with its source.
 
-Each entry: the config; the keys zeroedu's one error must name (empty: it trains as written); and, where the
+Each entry: the config; the keys zeroedu's one error must name (empty: it trains as written; "auto" inside a
+section DeepSpeed parses with pydantic, such as fp16 or zero_optimization, is DeepSpeed's default there, so only
+the Trainer's other "auto" keys are named); and, where the
 config needs a change to run here, the change a learner would make (`fix`), after which it must train. Configs
 with "auto" are Hugging Face Trainer configs: `trainer_fill` writes the values the Trainer would put in.
 """
@@ -40,7 +42,7 @@ CORPUS = {
                    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
                    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
                    "wall_clock_breakdown": False},
-        "refused": ["fp16.enabled", "bf16.enabled", "optimizer.params.lr", "optimizer.params.betas",
+        "refused": ["optimizer.params.lr", "optimizer.params.betas",
                     "optimizer.params.eps", "optimizer.params.weight_decay", "scheduler.params.warmup_min_lr",
                     "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",
                     "gradient_accumulation_steps", "gradient_clipping", "train_batch_size",
@@ -203,9 +205,7 @@ CORPUS = {
                                          "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
                                          "stage3_gather_16bit_weights_on_model_save": True}},
         "refused": ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                    "gradient_clipping", "fp16.enabled", "bf16.enabled", "zero_optimization.reduce_bucket_size",
-                    "zero_optimization.stage3_prefetch_bucket_size",
-                    "zero_optimization.stage3_param_persistence_threshold"],
+                    "gradient_clipping"],
         "fix": "trainer_fill",
     },
 }

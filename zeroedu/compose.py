@@ -61,6 +61,7 @@ def initialize(model: torch.nn.Module | None = None, config=None, model_paramete
     config = client.config_source(config, config_params, args)
     cfg = load_config(config)
     cfg = client.with_client_optimizer(cfg, model, optimizer, model_parameters)
+    cfg.zeroedu.apply()   # the config's `zeroedu` knobs, set in this rank's modules before the engine reads them
     if not dist.is_initialized():
         if dist_init_required is False:   # as DeepSpeed: False means the caller has set torch.distributed up
             raise RuntimeError("initialize(dist_init_required=False) needs torch.distributed initialized already "
