@@ -60,8 +60,11 @@ def _parse_optimizer(p: Problems, raw: Any, name: str) -> OptimizerConfig:
         p.errors.append(f"'{name}' must be a JSON object (a dict), got {type(raw).__name__} {raw!r}.")
         return OptimizerConfig()
     for k in raw:
-        if k not in ("type", "params"):
-            _unknown(p, name, k, ["params", "type"])
+        if k not in ("type", "params", "legacy_fusion"):
+            _unknown(p, name, str(k), ["legacy_fusion", "params", "type"])
+    if raw.get("legacy_fusion"):
+        p.notes.append("'optimizer.legacy_fusion' chooses DeepSpeed's older fused fp16 optimizer wrapper; zeroedu's "
+                       "step is the same with or without it.")
     kind = raw.get("type", "Adam")
     if kind == "auto":
         p.errors.append(auto_problem("optimizer.type", "\"AdamW\", its default optimizer"))
@@ -120,6 +123,17 @@ def _parse_optimizer(p: Problems, raw: Any, name: str) -> OptimizerConfig:
             p.notes.append("'optimizer.type' Adam with weight_decay: DeepSpeed's Adam decouples weight decay "
                            "(adam_w_mode defaults to true), so it runs as torch's AdamW here too.")
     return OptimizerConfig(type=kind, params=out)
+
+
+def _allreduce_op(value: Any, name: str) -> str:
+    """DeepSpeed's gradient_allreduce_op: "mean" (the default) or "sum", any case."""
+    if not isinstance(value, str) or value.lower() not in ("mean", "sum"):
+        raise ConfigError(f"'{name}' must be \"mean\" or \"sum\" (as DeepSpeed takes it), got {value!r}.")
+    if value.lower() == "sum":
+        raise ConfigError(f"'{name}' \"sum\" asks for gradients summed over ranks instead of averaged, which "
+                          "zeroedu does not implement (every stage averages inside the collective): remove it, or "
+                          "multiply the loss by the world size.")
+    return value.lower()
 
 
 def _unknown(p: Problems, section: str, name: str, valid: list[str]) -> None:
@@ -249,6 +263,22 @@ class Config:
     dataloader_drop_last: bool | None = key(None, only=False, ds=False,
                                             why="the loader initialize(training_data=...) returns keeps a last, "
                                                 "shorter batch, as DeepSpeed's does by default")
+    gradient_allreduce_op: str | None = key(
+        None, lambda v, name: _allreduce_op(v, name), ds="mean")
+    disable_allgather: bool | None = key(None, only=False, ds=False, why="zeroedu's stages 1-2 always all-gather "
+                                                                          "the updated parameters")
+    managed_gradient_accumulation: bool | None = key(
+        None, only=True, ds=True, why="zeroedu counts micro-steps itself: engine.step() at every micro-step, the "
+                                      "optimizer steps at the accumulation boundary")
+    disable_python_gc: Any = key(None, anything, ds=False, note="'disable_python_gc' changes when Python's garbage "
+                                                                "collector runs, not what a step computes")
+    log_level: Any = key(None, anything, ds=None, note="'log_level' sets DeepSpeed's logger; zeroedu prints its notes "
+                                                       "and step lines on rank 0 (engine.log_lines keeps them)")
+    timers: dict | None = key(None, anything, note="'timers' configures DeepSpeed's throughput timer; zeroedu's "
+                                                   "wall_clock_breakdown and engine.timeline time each phase")
+    expert_parallel: dict | None = key(None, refuse="expert parallelism is " + _PARALLEL)
+    use_data_before_expert_parallelism: bool | None = key(None, only=False, ds=False,
+                                                          why="expert parallelism is not implemented")
     pipeline: dict | None = key(None, refuse="pipeline parallelism (DeepSpeed's PipelineModule) is " + _PARALLEL)
     tensor_parallel: dict | None = key(None, refuse="tensor parallelism (AutoTP) is " + _PARALLEL,
                                        off=_off(at={"autotp_size": 1}))
