@@ -159,7 +159,8 @@ def test_sum_is_refused_at_stage_3_by_both():
         load_config(cfg)
 
 
-@pytest.mark.parametrize("key", ["stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"])
+@pytest.mark.parametrize("key", ["stage3_gather_16bit_weights_on_model_save",
+                                 "stage3_gather_fp16_weights_on_model_save"])
 def test_gather_16bit_weights_on_model_save(key):
     assert ds_zero.DeepSpeedZeroConfig(**{key: True}).gather_16bit_weights_on_model_save
     assert zero({key: True}).stage3_gather_16bit_weights_on_model_save

@@ -26,14 +26,9 @@ from zeroedu.config.declare import (
     key,
     number,
     optional,
-    text,
 )
 
 _GPU = "on a GPU machine"
-_PARALLEL = "model parallelism, outside ZeRO's data parallelism (the only parallelism zeroedu teaches)"
-_NO_MONITOR = ("zeroedu has no monitor backends; engine.ledger, engine.memory() and engine.log_lines hold what "
-               "they would record")
-_RECIPE = "a training-recipe feature outside ZeRO"
 PIN_NOTE = ("'{where}.pin_memory' page-locks the host buffers so copies to and from the GPU run at full PCIe "
             "speed and overlap compute " + _GPU + "; on CPU ranks there is nothing to pin")
 E8 = 100_000_000
@@ -42,12 +37,6 @@ TOP = 1e3   # the largest learning rate taken: a step of lr x 1 moves a weight b
 
 def _is(value: Any) -> Any:
     return lambda v: v == value
-
-
-def _falsy_dict(*allowed_on: str) -> Any:
-    """A section switched off: a dict whose every value is false, 0 or 1 (a size of one), or null."""
-    return lambda v: isinstance(v, dict) and all(x in (None, False, 0, 1, "none") or k in allowed_on
-                                                 for k, x in v.items())
 
 
 def _betas(value: Any, name: str) -> tuple[float, float]:
@@ -451,5 +440,3 @@ def knob_names() -> dict[str, str]:
     """'module:ATTRIBUTE' -> the `zeroedu` key that sets it."""
     return {f.metadata["key"].knob: f.name for f in dataclasses.fields(ZeroeduConfig)}
 
-
-_ = text  # re-exported for sections that take free text
