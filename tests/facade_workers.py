@@ -107,25 +107,31 @@ def no_sync_training(rank: int, world: int, stages: tuple[int, ...]) -> dict:
 
 
 def partial_optimizers(rank: int, world: int, stages: tuple[int, ...]) -> dict:
-    """A frozen parameter inside a client optimizer, and a client optimizer over a subset of the model."""
+    """A frozen parameter inside a client optimizer, a client optimizer over a subset of the model, and parameter
+    groups that differ in weight decay (with the config's AdamW)."""
     out = {}
     for name in ("zeroedu", "deepspeed"):
         lib = _lib(name)
         for stage in stages:
-            for case in ("frozen", "subset"):
+            for case in ("frozen", "subset", "groups"):
                 model = MLP(seed=0)
-                if case == "frozen":
+                cfg = {k: v for k, v in _config(stage).items() if k != "optimizer"}
+                if case == "groups":   # the Trainer's groups: weight decay on weights, none on biases
+                    named = list(model.named_parameters())
+                    groups = [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.5},
+                              {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
+                    engine, *_ = lib.initialize(model=model, model_parameters=groups, config=_config(stage))
+                elif case == "frozen":
                     model.layers[0].bias.requires_grad_(False)
                     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+                    engine, *_ = lib.initialize(model=model, optimizer=opt, config=cfg)
                 else:
                     opt = torch.optim.AdamW(model.layers[2].parameters(), lr=LR, weight_decay=0.0)
-                cfg = {k: v for k, v in _config(stage).items() if k != "optimizer"}
-                if case == "subset":
                     # DeepSpeed's stage 0 clips by the norm of every parameter's gradient, the ones its optimizer
                     # does not hold included (clip_fp32_gradients over module.parameters()); zeroedu's norm, like
                     # DeepSpeed's stages 1-3, covers the trained ones. Without clipping the runs compare exactly.
                     cfg["gradient_clipping"] = 0.0
-                engine, *_ = lib.initialize(model=model, optimizer=opt, config=cfg)
+                    engine, *_ = lib.initialize(model=model, optimizer=opt, config=cfg)
                 losses = []
                 for s in range(3):
                     loss = _loss(engine, s, rank, world)

@@ -59,8 +59,8 @@ def test_no_sync_accumulates_as_deepspeeds():
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_frozen_and_subset_client_optimizers_train_as_deepspeeds(partial, stage):
-    for case in ("frozen", "subset"):
+def test_frozen_subset_and_grouped_parameters_train_as_deepspeeds(partial, stage):
+    for case in ("frozen", "subset", "groups"):
         ours, theirs = partial[("zeroedu", stage, case)], partial[("deepspeed", stage, case)]
         assert close(ours["losses"], theirs["losses"]), (stage, case, ours["losses"], theirs["losses"])
     # A parameter outside the optimizer is not trained: the first layer keeps its initial weight.
@@ -112,3 +112,14 @@ def test_fp16_auto_cast_casts_the_inputs_as_deepspeed():
     r = zeroedu.launch(_auto_cast, world_size=N, timeout=300)
     for rank in r:
         assert rank["auto_cast"] == rank["by_hand"]
+
+
+def test_grouped_weight_decay_with_offload_is_a_clear_error():
+    model = MLP(seed=0)
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+              {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
+    cfg = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with pytest.raises(ValueError, match="different weight_decay and offload_optimizer"):
+        zeroedu.initialize(model=model, model_parameters=groups, config=cfg)
