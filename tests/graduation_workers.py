@@ -120,7 +120,10 @@ def client_objects(rank: int, world: int) -> dict:
                     "sched": type(sched).__name__ if sched is not None else None}
 
     base = config(2)
-    adamw = {**base, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1, "betas": [0.8, 0.9]}}}
+    # torch_adam: the config that builds torch's AdamW as the client does (in DeepSpeed too; without it DeepSpeed
+    # builds its FusedAdam, and zeroedu torch's fused kernel)
+    adamw = {**base, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1, "betas": [0.8, 0.9],
+                                                                "torch_adam": True}}}
     train("config-adamw", adamw)
     m = make("gpt")
     train("client-adamw", {k: v for k, v in base.items() if k != "optimizer"}, model=m,
@@ -215,4 +218,35 @@ def corpus_train(rank: int, world: int, runs: dict[str, tuple[dict, float | None
         close = getattr(engine, "close", None)
         if close:
             close()
+    return out
+
+
+def corpus_both(rank: int, world: int, runs: dict[str, tuple[dict, float | None]]) -> dict:
+    """corpus_train's 3 steps under zeroedu and under DeepSpeed 0.19.8: {(library, name): losses}."""
+    out = {}
+    for lib in ("zeroedu", "deepspeed"):
+        ds = quiet_deepspeed() if lib == "deepspeed" else importlib.import_module("zeroedu")
+        for name, (cfg, client_lr) in runs.items():
+            model = MLP(seed=0)
+            client = torch.optim.AdamW(model.parameters(), lr=client_lr) if client_lr else None
+            engine, *_ = ds.initialize(model=model, config=cfg, optimizer=client,
+                                       model_parameters=None if client else model.parameters())
+            micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+            losses = []
+            for s in range(3):
+                gen = torch.Generator().manual_seed(s)
+                x = torch.randn(micro * accum * world, 32, generator=gen)
+                y = torch.randint(0, 10, (micro * accum * world,), generator=gen)
+                total = torch.zeros((), dtype=torch.float64)
+                for m in range(accum):
+                    xs, ys = shard_batch(x, y, rank, world, m, accum)
+                    dtype = next(engine.module.parameters()).dtype
+                    loss = torch.nn.functional.cross_entropy(engine(xs.to(dtype)).float(), ys)
+                    engine.backward(loss)
+                    engine.step()
+                    total += float(loss.detach())
+                torch.distributed.all_reduce(total)
+                losses.append(float(total) / (world * accum))
+            out[(lib, name)] = losses
+            del engine
     return out

@@ -77,3 +77,22 @@ def test_deprecated_cpu_offload_is_mapped_as_deepspeed_maps_it():
     zero_config = pytest.importorskip("deepspeed.runtime.zero.config")
     theirs = zero_config.DeepSpeedZeroConfig(**CORPUS["megatron-zero2-offload"]["config"]["zero_optimization"])
     assert theirs.offload_optimizer is not None and theirs.offload_optimizer.device == "cpu"
+
+
+# The new projects' configs that DeepSpeed 0.19.8 runs on CPU ranks as the Trainer fills them: no offload (its CPU
+# Adam is a C++ build) and a torch optimizer (a client's, or torch_adam; its FusedAdam is a C++ build too).
+ON_CPU = ["chatglm-ptuning", "open-instruct-z3", "ms-swift-zero3"]
+
+
+@pytest.mark.slow
+def test_new_projects_train_as_deepspeed_trains_them():
+    from graduation_workers import corpus_both
+
+    pytest.importorskip("deepspeed")
+    runs = {name: (runnable(name), CORPUS[name].get("client_optimizer")) for name in ON_CPU}
+    r = zeroedu.launch(corpus_both, world_size=2, args=(runs,), timeout=550)[0]
+    for name in ON_CPU:
+        ours, theirs = r[("zeroedu", name)], r[("deepspeed", name)]
+        assert ours[0] == theirs[0], name   # the same model and batch: the first loss to the last bit
+        assert ours == pytest.approx(theirs, rel=2e-2 if runs[name][0].get("bf16", {}).get("enabled") else 1e-5), \
+            (name, ours, theirs)

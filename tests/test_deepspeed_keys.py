@@ -150,10 +150,8 @@ def test_what_initialize_cannot_honour_is_a_clear_error():
     params = list(m.parameters())
     cases = [
         (dict(optimizer=torch.optim.RMSprop(m.parameters())), "RMSprop; zeroedu implements"),
-        (dict(optimizer=torch.optim.AdamW([{"params": params[:2], "weight_decay": 0.0},
-                                           {"params": params[2:], "weight_decay": 0.1}])), "different 'weight_decay'"),
-        (dict(optimizer=torch.optim.AdamW(params[:3])), f"3 of the model's {len(params)} trainable"),
-        (dict(model_parameters=params[1:]), "trainable parameters"),
+        (dict(optimizer=torch.optim.AdamW([{"params": params[:2], "lr": 1e-3},
+                                           {"params": params[2:], "lr": 1e-2}])), "different 'lr'"),
         (dict(optimizer="adam"), "must be a torch.optim.Optimizer"),
         (dict(mpu=object()), "model parallelism"),
     ]
@@ -194,7 +192,9 @@ def test_client_adam_and_sgd_instances_train_as_their_config_equivalents():
 
         base = {k: v for k, v in config(2).items() if k != "optimizer"}
         cases = {
-            "Adam": ({"type": "Adam", "params": {"lr": LR, "betas": [0.8, 0.99], "eps": 1e-7}},
+            # torch_adam: torch's Adam, as the client's (without it DeepSpeed builds its FusedAdam, zeroedu torch's
+            # fused kernel; they differ from the client's loop kernel by about one rounding)
+            "Adam": ({"type": "Adam", "params": {"lr": LR, "betas": [0.8, 0.99], "eps": 1e-7, "torch_adam": True}},
                      lambda ps: torch.optim.Adam(ps, lr=LR, betas=(0.8, 0.99), eps=1e-7)),
             "SGD": ({"type": "SGD", "params": {"lr": 10 * LR, "momentum": 0.9, "nesterov": True}},
                     lambda ps: torch.optim.SGD(ps, lr=10 * LR, momentum=0.9, nesterov=True)),

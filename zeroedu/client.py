@@ -49,17 +49,29 @@ def _value(v: Any) -> Any:
     return v
 
 
-def _one_hyperparameter_set(groups: list[dict], where: str) -> dict[str, Any]:
-    """The groups' shared hyperparameters; an error if they differ (one flat shard has one set)."""
+DECAY_ATTR = "zeroedu_weight_decay"  # its own weight decay, when groups differ (engine.facade reads it)
+
+
+def _one_hyperparameter_set(groups: list[dict], where: str, default_decay: float = 0.0) -> dict[str, Any]:
+    """The groups' shared hyperparameters; an error if they differ, except weight_decay: groups that differ in it
+    only (the Hugging Face Trainer's "no decay on biases and norms") tag each parameter with its own, and the
+    engine applies it per parameter (zeroedu.engine.facade); the shared set then has weight_decay 0."""
     sets = [{k: _value(v) for k, v in g.items() if k in _GROUP_KEYS} for g in groups]
-    for key in sorted(set().union(*sets)):
+    for key in sorted(set().union(*sets) - {"weight_decay"}):
         values = {repr(s.get(key)) for s in sets}
         if len(values) > 1:
             raise ValueError(
                 f"{where} has parameter groups with different '{key}' ({', '.join(sorted(values))}). zeroedu steps one "
-                f"flat shard with one set of hyperparameters, so per-group values (e.g. no weight decay on biases) "
-                f"are not supported: use one group.")
-    return sets[0] if sets else {}
+                f"flat shard with one set of hyperparameters: per-group weight_decay is supported, per-group "
+                f"'{key}' is not. Use one value for it.")
+    decays = [float(s.get("weight_decay", default_decay)) for s in sets]
+    shared = dict(sets[0]) if sets else {}
+    if len(set(decays)) > 1:
+        for g, wd in zip(groups, decays, strict=True):
+            for p in g["params"]:
+                setattr(p, DECAY_ATTR, wd)
+        shared["weight_decay"] = 0.0
+    return shared
 
 
 def _param_groups(params: Iterable) -> list[dict]:
@@ -71,16 +83,27 @@ def _param_groups(params: Iterable) -> list[dict]:
     return [{"params": items}]
 
 
-def _check_coverage(model: torch.nn.Module, params: list[torch.Tensor], where: str) -> None:
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    given = {id(p) for p in params}
-    if given - {id(p) for p in model.parameters()}:
+def _check_coverage(model: torch.nn.Module, params: list[torch.Tensor], where: str) -> list[torch.nn.Parameter]:
+    """The model's trainable parameters that `params` leaves out (DeepSpeed never steps those: its ZeRO optimizers
+    flatten the optimizer's own trainable parameters only). Frozen parameters in `params` are skipped, as there."""
+    own = {id(p) for p in model.parameters()}
+    if any(id(p) not in own for p in params):
         raise ValueError(f"{where} holds tensors that are not parameters of the model: pass the model's own.")
-    if given != trainable:
-        raise ValueError(
-            f"{where} holds {len(given & trainable)} of the model's {len(trainable)} trainable parameters. zeroedu "
-            f"trains every parameter with requires_grad=True: set requires_grad=False on the ones to freeze, and "
-            f"pass all the others.")
+    given = {id(p) for p in params}
+    return [p for p in dict.fromkeys(model.parameters()) if p.requires_grad and id(p) not in given]
+
+
+def freeze_left_out(model: torch.nn.Module, left_out: list[torch.nn.Parameter], log) -> None:
+    """Parameters the optimizer does not hold are not trained, as in DeepSpeed: zeroedu freezes them
+    (requires_grad=False, so no gradient is computed or reduced for them) and says so."""
+    if not left_out:
+        return
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in left_out:
+        p.requires_grad_(False)
+    listed = ", ".join(names[id(p)] for p in left_out[:5]) + (" ..." if len(left_out) > 5 else "")
+    log(f"zeroedu note: {len(left_out)} trainable parameters are not in the optimizer ({listed}): they are not "
+        f"trained, as in DeepSpeed, and zeroedu set requires_grad=False on them.")
 
 
 def _check_finite(params: dict[str, Any], where: str) -> dict[str, Any]:
@@ -93,23 +116,28 @@ def _check_finite(params: dict[str, Any], where: str) -> dict[str, Any]:
     return params
 
 
-def with_client_optimizer(cfg: Config, model: torch.nn.Module, optimizer, model_parameters) -> Config:
+def with_client_optimizer(cfg: Config, model: torch.nn.Module, optimizer,
+                          model_parameters) -> tuple[Config, list[torch.nn.Parameter]]:
     """cfg with its optimizer section taken from a client optimizer (it wins over the config's, as in DeepSpeed),
-    or from model_parameters' group hyperparameters."""
+    or from model_parameters' group hyperparameters; and the trainable parameters the optimizer leaves out."""
+    for p in model.parameters():   # tags of an earlier initialize on this model
+        if hasattr(p, DECAY_ATTR):
+            delattr(p, DECAY_ATTR)
     if optimizer is None and model_parameters is None:
-        return cfg
+        return cfg, []
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         groups = _param_groups(model_parameters) if model_parameters is not None else \
             [{"params": [p for p in model.parameters() if p.requires_grad]}]
         optimizer = optimizer(groups if model_parameters is not None else groups[0]["params"])
     if optimizer is None:
         groups = _param_groups(model_parameters)
-        _check_coverage(model, [p for g in groups for p in g["params"]], "model_parameters")
-        shared = _one_hyperparameter_set(groups, "model_parameters")
+        left_out = _check_coverage(model, [p for g in groups for p in g["params"]], "model_parameters")
+        shared = _one_hyperparameter_set(groups, "model_parameters",
+                                         float(cfg.optimizer.params.get("weight_decay", 0.0)))
         if not shared:
-            return cfg
+            return cfg, left_out
         params = {**cfg.optimizer.params, **_check_finite(shared, "model_parameters")}
-        return dataclasses.replace(cfg, optimizer=OptimizerConfig(type=cfg.optimizer.type, params=params))
+        return dataclasses.replace(cfg, optimizer=OptimizerConfig(type=cfg.optimizer.type, params=params)), left_out
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer= must be a torch.optim.Optimizer (or a callable that makes one from parameters), "
                         f"got {type(optimizer).__name__}.")
@@ -119,8 +147,8 @@ def with_client_optimizer(cfg: Config, model: torch.nn.Module, optimizer, model_
                          f"SGD. Pass one of those, or the config's 'optimizer' section.")
     if optimizer.defaults.get("maximize"):
         raise ValueError("optimizer= has maximize=True, which zeroedu does not implement: minimize the negated loss.")
-    groups = [g for g in optimizer.param_groups if g["params"]]
-    _check_coverage(model, [p for g in groups for p in g["params"]], "optimizer=")
+    groups = [g for g in optimizer.param_groups if any(p.requires_grad for p in g["params"])]
+    left_out = _check_coverage(model, [p for g in optimizer.param_groups for p in g["params"]], "optimizer=")
     shared = _one_hyperparameter_set(groups, f"optimizer= ({type(optimizer).__name__})")
     name, keys = kind
     params = {k: shared[k] for k in keys if k in shared}
@@ -129,8 +157,11 @@ def with_client_optimizer(cfg: Config, model: torch.nn.Module, optimizer, model_
     for key in ("amsgrad", "nesterov"):
         if not params.get(key):
             params.pop(key, None)
+    if name in ("Adam", "AdamW"):
+        # The client's kernel, as DeepSpeed steps the client optimizer itself: torch's default on CPU is not fused.
+        params["fused"] = bool(optimizer.defaults.get("fused"))
     _check_finite(params, f"optimizer= ({type(optimizer).__name__})")
-    return dataclasses.replace(cfg, optimizer=OptimizerConfig(type=name, params=params))
+    return dataclasses.replace(cfg, optimizer=OptimizerConfig(type=name, params=params)), left_out
 
 
 class ClientSchedule:

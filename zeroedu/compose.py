@@ -60,13 +60,20 @@ def initialize(model: torch.nn.Module | None = None, config=None, model_paramete
                          "implement: every rank here is one data-parallel rank. Remove mpu=.")
     config = client.config_source(config, config_params, args)
     cfg = load_config(config)
-    cfg = client.with_client_optimizer(cfg, model, optimizer, model_parameters)
+    cfg, left_out = client.with_client_optimizer(cfg, model, optimizer, model_parameters)
+    if cfg.zero_optimization.offload_optimizer.device != "none" and any(
+            hasattr(p, client.DECAY_ATTR) for p in model.parameters()):
+        raise ValueError("parameter groups with different weight_decay and offload_optimizer together are not "
+                         "implemented (the host step applies one weight decay): use one weight_decay for every "
+                         "group, or train without offload_optimizer.")
+    cfg.zeroedu.apply()   # the config's `zeroedu` knobs, set in this rank's modules before the engine reads them
     if not dist.is_initialized():
         if dist_init_required is False:   # as DeepSpeed: False means the caller has set torch.distributed up
             raise RuntimeError("initialize(dist_init_required=False) needs torch.distributed initialized already "
                                "(zeroedu.launch or torchrun do it): start the ranks that way, or leave the argument "
                                "out to let zeroedu start a world of one here.")
         init_distributed()
+    client.freeze_left_out(model, left_out, lambda line: print(line) if dist.get_rank() == 0 else None)
     engine = engine_class(cfg)(model, cfg)
     if lr_scheduler is not None:
         engine.lr_scheduler = client.wrap_scheduler(lr_scheduler, optimizer, engine.optimizer)

@@ -135,6 +135,7 @@ def _metadata(engine, tag: str, files: list[dict], elem: list[str], scalars: dic
                    for k, v in extras.items()],
         "state_dict_keys": list(engine.module.state_dict().keys()),
         "files": files,
+        "config": engine.config.resolved(),   # every key as the run used it, the `zeroedu` knobs included
     }
     meta["metadata_sha256"] = _self_hash(meta)
     return meta

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_map
 
 from zeroedu.comm import Comm, Handle
 from zeroedu.config import Config
+from zeroedu.engine.facade import DeepSpeedFacade, half_inputs
 from zeroedu.memory import MODEL_STATES, PeakTracker, SavedActivations, resident
 from zeroedu.precision import LossScaler, compute_dtype
 
@@ -52,7 +53,7 @@ def make_optimizer(cfg: Config, params: list[torch.Tensor]) -> torch.optim.Optim
     return cls(params, **kw)
 
 
-class Engine:
+class Engine(DeepSpeedFacade):
     """What a training step is at every stage. Subclasses fill in where the bytes live.
 
     The protocol: the hooks below are what a stage (zeroedu/stages/) and an extra (offload, ZeRO++, checkpoints,
@@ -241,8 +242,8 @@ class Engine:
 
     # -- the training step -------------------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True during the backward and step of the last micro-step of an optimizer step."""
-        return (self.micro_step + 1) % self.accum == 0
+        """True during the backward and step of the last micro-step of an optimizer step (never in no_sync())."""
+        return (self.micro_step + 1) % self.accum == 0 and not self.inside_no_sync
 
     @contextmanager
     def _phase(self, name: str):
@@ -255,6 +256,8 @@ class Engine:
     def forward(self, *args, **kwargs):
         if self.device.type != "cpu":   # inputs follow the model to its GPU, as DDP's do
             args, kwargs = self.to_device((args, kwargs))
+        if self.config.fp16.auto_cast and self.precision == "fp16":   # as DeepSpeed: positional inputs only
+            args = half_inputs(args)
         with self._phase("forward"):
             if self._tracker is None:
                 return self.module(*args, **kwargs)
@@ -287,6 +290,9 @@ class Engine:
     @torch.no_grad()
     def step(self) -> None:
         """The optimizer step, at the accumulation boundary only (like DeepSpeed, call it every micro-step)."""
+        if self.inside_no_sync:
+            raise RuntimeError("engine.step() inside no_sync(): leave the no_sync() block first (its gradients are "
+                               "not reduced yet; the next backward outside reduces them), as DeepSpeed requires.")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_step += 1
         if not boundary:
@@ -342,6 +348,7 @@ class Engine:
             for i in group:
                 g = grads[i]
                 self.master_pieces[i].grad = g if (g.dtype == torch.float32 and coef == 1.0) else g.float().mul_(coef)
+            self.group_decay(group)   # per-parameter weight decay, when parameter groups differ in it
             self.optimizer.step()
             for i in group:
                 self.master_pieces[i].grad = None
@@ -535,13 +542,3 @@ class Engine:
             torch.save(state, path + ".tmp")
             os.replace(path + ".tmp", path)   # whole or not at all
         return True
-
-    def parameters(self) -> Iterable[torch.nn.Parameter]:
-        return self.module.parameters()
-
-    def train(self, mode: bool = True):
-        self.module.train(mode)
-        return self
-
-    def eval(self):
-        return self.train(False)

@@ -94,7 +94,7 @@ def host_optimizer(cfg, params: list[torch.nn.Parameter], impl: str | None = Non
     if cfg.optimizer.type not in ("Adam", "AdamW"):
         return make_optimizer(cfg, params)
     cls = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}[cfg.optimizer.type]
-    return cls(params, **dict(cfg.optimizer.params), **flags[impl])
+    return cls(params, **{**flags[impl], **cfg.optimizer.params})   # optimizer.params.fused, if given, wins
 
 
 # -- the engine ----------------------------------------------------------------------------------------------------
