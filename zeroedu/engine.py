@@ -23,14 +23,9 @@ from zeroedu.comm import Comm, Handle
 from zeroedu.config import Config
 from zeroedu.memory import MODEL_STATES, PeakTracker, SavedActivations, resident
 from zeroedu.precision import LossScaler, compute_dtype
+from zeroedu.report import TIMELINE_KEEP, StepReport, Timeline, comms_summary
 
-TIMELINE_KEEP = 5_000   # phases kept: thousands of steps for plots; a long run's memory stays flat
-
-
-def trim_timeline(timeline: list) -> None:
-    """Keep the newest TIMELINE_KEEP entries, trimming in chunks (so indices taken recently stay valid)."""
-    if len(timeline) > 2 * TIMELINE_KEEP:
-        del timeline[:-TIMELINE_KEEP]
+__all__ = ["TIMELINE_KEEP", "Engine", "Timeline", "compute_device", "make_optimizer"]
 
 
 def compute_device(model: torch.nn.Module, backend: str) -> torch.device:
@@ -108,15 +103,17 @@ class Engine:
         self.global_step = 0
         self.skipped_steps = 0
         self.scaler = LossScaler.from_config(config.fp16)
-        self.timeline: list[tuple[str, float, float]] = []   # (phase, start, end) in time.time()
+        # (phase, start, end) in time.time(), the newest TIMELINE_KEEP to twice that (engine.timeline.keep)
+        self.timeline: Timeline = Timeline()
         self.last_peak: PeakTracker | None = None
         self.last_activations: SavedActivations | None = None   # what the last tracked forward saved for backward
         self._tracker: PeakTracker | None = None
         self._handles: list = []           # overlap(): jobs on the comm thread that wait() waits for
-        self.log_lines: list[str] = []     # what rank 0 printed, on every rank (the newest 5,000-10,000 lines)
+        self.log_lines = Timeline()        # what rank 0 printed, on every rank (the newest 5,000-10,000 lines)
+        # Where the last optimizer step ended in the timeline and the ledger (absolute: trimming shifts nothing).
+        self.step_report = StepReport(self.timeline, self.comm.ledger)
         self._loss_sum: torch.Tensor | None = None
         self.last_loss: float | None = None
-        self._marks = (0, 0)               # (timeline, ledger) lengths at the last optimizer step
 
         # Where the model computes: the rank's GPU under NCCL (zeroedu.launch and torchrun set the current
         # device), else where its parameters already are (the CPU under gloo). Every buffer a stage makes
@@ -250,7 +247,6 @@ class Engine:
         with self.comm.in_phase(name):
             yield
         self.timeline.append((name, t0, time.time()))
-        trim_timeline(self.timeline)
 
     def forward(self, *args, **kwargs):
         if self.device.type != "cpu":   # inputs follow the model to its GPU, as DDP's do
@@ -387,22 +383,17 @@ class Engine:
 
     def log(self, text: str) -> None:
         """Print on rank 0 (DeepSpeed's log_dist(ranks=[0])); every rank keeps the line in log_lines."""
-        self.log_lines.append(text)
-        trim_timeline(self.log_lines)     # a long run that prints every step keeps a bounded window
+        self.log_lines.append(text)       # a long run that prints every step keeps a bounded window
         if self.rank == 0:
             print(text, flush=True)
 
     def report_step(self) -> None:
-        """After an optimizer step: what the logging keys ask for (zeroedu.report formats it)."""
-        from zeroedu import report
-
-        report.after_step(self)
+        """After an optimizer step: what the logging keys ask for (zeroedu.report.StepReport formats it)."""
+        self.step_report.after_step(self)
 
     def log_summary(self) -> str:
         """The ledger's per-collective summary (what deepspeed.comm.log_summary() prints with comms_logger)."""
-        from zeroedu import report
-
-        text = report.comms_summary(self.ledger)
+        text = comms_summary(self.ledger)
         self.log(text)
         return text
 

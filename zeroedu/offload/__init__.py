@@ -61,6 +61,7 @@ from zeroedu.offload.optimizer import OptimizerOffloadMixin
 from zeroedu.offload.params import ParamOffloadMixin
 from zeroedu.offload.swap import MARKER, PREFIX, OffloadError, SwapFile, SwapFolder, check_nvme_path, remove_stale
 from zeroedu.offload.transfers import LINKS, TransferMixin, transfer_seconds
+from zeroedu.report import Timeline
 
 __all__ = ["CPU_ADAM", "LINKS", "MARKER", "PREFIX", "OffloadError", "OffloadMixin", "OptimizerOffloadMixin",
            "ParamOffloadMixin", "SwapFile", "SwapFolder", "TransferMixin", "check_nvme_path", "host_optimizer",
@@ -112,7 +113,7 @@ class OffloadMixin(ParamOffloadMixin, OptimizerOffloadMixin, TransferMixin):
         zc = self.config.zero_optimization
         self.opt_tier, self.param_tier = zc.offload_optimizer.device, zc.offload_param.device
         self.global_rank = dist.get_rank()
-        self.adam_timeline: list[tuple[str, float, float]] = []   # (what, start, end) of host optimizer work
+        self.adam_timeline = Timeline()   # (what, start, end) of host optimizer work, bounded as engine.timeline
         self.nvme_removed: list[str] = []                          # stale swap folders this run deleted
         self.written_back = False        # has this step's update already reached the compute parameters?
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None

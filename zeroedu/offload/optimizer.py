@@ -14,7 +14,6 @@ from concurrent.futures import Future
 
 import torch
 
-from zeroedu.engine import trim_timeline
 from zeroedu.flat import Bucket
 from zeroedu.offload.swap import OffloadError, SwapFile
 
@@ -133,7 +132,6 @@ class OptimizerOffloadMixin:
         for master in self.master_pieces:
             master.grad = None
         self.adam_timeline.append(("adam", t0, time.time()))
-        trim_timeline(self.adam_timeline)
 
     @staticmethod
     def _scaled(g: torch.Tensor, coef: float) -> torch.Tensor:
@@ -167,7 +165,6 @@ class OptimizerOffloadMixin:
             self.optimizer.step()    # only this piece has a gradient: Adam skips the others
             master.grad = None
             self.adam_timeline.append(("adam", t0, time.time()))
-            trim_timeline(self.adam_timeline)
             self.write_back(b, master.detach())   # copied or cast out of the buffer before its next read
             writes.append(self._io.submit(self._swap_out, i, self.global_step))
         for w in writes:
