@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten
 from zeroedu import zero
 from zeroedu.checkpointing import recomputing
 from zeroedu.flat import Bucket, FlatLayout
-from zeroedu.stages.sizing import max_live_numel, module_units, prefetch_numel, reduce_bucket_numel
+from zeroedu.stages.sizing import is_leaf, max_live_numel, module_units, prefetch_numel, reduce_bucket_numel
 from zeroedu.stages.stage2 import Stage2
 from zeroedu.stages.units import ForwardTrace, UnitState
 
@@ -59,6 +59,8 @@ class Stage3(Stage2):
             if self.units_of[m] or m is self.module:
                 m.register_forward_pre_hook(self._pre_forward)
                 m.register_forward_hook(self._post_forward)
+        for m in self.leaves:
+            m.register_full_backward_hook(lambda m, grad_in, grad_out: self._leaf_backward_done(m))
         zero.adopt(self)   # GatheredParameters now gathers and writes back through this engine
 
     def make_layout(self) -> None:
@@ -71,8 +73,13 @@ class Stage3(Stage2):
         self.unit_modules = [m for m, _ in units]
         self.layout = FlatLayout(self.params, self.world_size, groups=[params for _, params in units])
         self._bucket_of = {p: b for b in self.layout.buckets for p in b.params}
-        self.units_of = {m: sorted({self._bucket_of[p].index for p in m.parameters(recurse=False)
-                                    if p in self._bucket_of}) for m in self.module.modules()}
+        inside = {sub for m in self.module.modules() if is_leaf(m) and m is not self.module
+                  for sub in m.modules() if sub is not m}
+        # The units a module's hooks gather: its own parameters' (a leaf: everything inside it; inside a leaf: none)
+        self.units_of = {m: [] if m in inside else
+                         sorted({self._bucket_of[p].index for p in m.parameters(recurse=is_leaf(m))
+                                 if p in self._bucket_of}) for m in self.module.modules()}
+        self.leaves = [m for m in self.module.modules() if is_leaf(m) and m not in inside and m is not self.module]
         self.persistent = {b.index for b in self.layout.buckets if b.numel < zc.stage3_param_persistence_threshold}
         self.reused: set[int] = set()   # units kept gathered from forward to backward (set when the trace is done)
 
@@ -261,6 +268,28 @@ class Stage3(Stage2):
         if i is not None:                  # None: a recomputed module, which has no place in the trace
             self.prefetch(range(i - 1, -1, -1))
         self.send_deferred()               # no gather started here to take it along
+
+    def _leaf_backward_done(self, m: torch.nn.Module) -> None:
+        """A leaf's backward reached its input: every gradient it will produce is in (autograd accumulates a
+        parameter's gradient as soon as it is computed, before it goes on to the module's input). A parameter
+        inside it that got none on this rank (an expert no token was routed to) counts as zero: its unit is
+        reduced here, at the same point of the backward on every rank, as DeepSpeed's leaf hook does."""
+        if not self.reduces_this_micro_step():
+            return
+        for u in self.units_of[m]:
+            if u not in self._reduced:
+                self._reduced.add(u)
+                self.post_backward(self.layout.buckets[u])   # move_grads fills a missing gradient with zeros
+
+    def on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        """As at stages 0-2; a gradient arriving for a unit already reduced (a leaf's, once its backward ended)
+        would be lost: say so rather than train on without it."""
+        b = self._bucket_of[p]
+        if self.reduces_this_micro_step() and b.index in self._reduced and self._waiting.get(b.index, 0) > 0:
+            raise RuntimeError(f"the gradient of {self.names.get(p, 'a parameter')} arrived after its stage-3 leaf "
+                               "module's backward had ended, and its unit was reduced already. A leaf's output "
+                               "must reach the loss through the leaf's input (its input must require grad).")
+        super().on_grad_ready(p)
 
     # -- backward: release, then reduce as at stage 2 ----------------------------------------------------
     def bucket_buffer_numel(self) -> int:
