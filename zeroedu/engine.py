@@ -24,6 +24,7 @@ from zeroedu.config import Config
 from zeroedu.memory import MODEL_STATES, PeakTracker, SavedActivations, resident
 from zeroedu.precision import LossScaler, compute_dtype
 from zeroedu.report import TIMELINE_KEEP, StepReport, Timeline, comms_summary
+from zeroedu.worker import worker
 
 __all__ = ["TIMELINE_KEEP", "Engine", "Timeline", "compute_device", "make_optimizer"]
 
@@ -62,8 +63,9 @@ class Engine:
                 take_bucket_buffer, the buffer alone, is exercise 5's), move_grads and reduce_scatter_buckets;
                 stage 3's units through fetch / release, start_gathers, unit_buffer, and param_piece (what
                 a rank sends when a unit is gathered)
-    overlap     overlap(fn) runs collectives on the comm thread when overlap_comm is set; wait() waits for them;
-                overlap(fn, prefetch=True) always does, and the caller waits for the handle it returns
+    overlap     overlap(fn) runs collectives on the worker's comm lane when overlap_comm is set; submit(fn, lane)
+                always does (lanes "comm" and "io"); overlap(fn, prefetch=True) always does too, and the caller
+                waits for the handle it returns. Everything started is in `in_flight`, which wait() drains
     step        grad_pieces() -> optimizer_step(grads, coef) -> publish(), which puts each new master piece
                 in its param_home(bucket) by write_back(bucket, master) and gathers; then zero_grads()
     build_optimizer() makes the optimizer over master_pieces (offload: on the host)
@@ -108,7 +110,7 @@ class Engine:
         self.last_peak: PeakTracker | None = None
         self.last_activations: SavedActivations | None = None   # what the last tracked forward saved for backward
         self._tracker: PeakTracker | None = None
-        self._handles: list = []           # overlap(): jobs on the comm thread that wait() waits for
+        self.in_flight: set[Handle] = set()   # every job this engine started on the worker's lanes, until wait()
         self.log_lines = Timeline()        # what rank 0 printed, on every rank (the newest 5,000-10,000 lines)
         # Where the last optimizer step ended in the timeline and the ledger (absolute: trimming shifts nothing).
         self.step_report = StepReport(self.timeline, self.comm.ledger)
@@ -397,29 +399,34 @@ class Engine:
         self.log(text)
         return text
 
-    # -- overlap -----------------------------------------------------------------------------------------
+    # -- overlap: the worker's lanes, and the one set of everything in flight ---------------------------------
+    def submit(self, fn: Callable[[], None], lane: str = "comm") -> Handle:
+        """Run fn on one of the worker's lanes ("comm": collectives, in order; "io": offload's file reads and
+        writes) and return its handle, which joins `in_flight` until wait()."""
+        handle = self.comm.run_async(fn) if lane == "comm" else worker().submit(fn, lane)
+        self.in_flight.add(handle)
+        return handle
+
     def overlap(self, fn: Callable[[], None], prefetch: bool = False) -> Handle | None:
-        """Run fn (collectives, and the work that belongs with them) on the comm thread when overlap_comm is set,
+        """Run fn (collectives, and the work that belongs with them) on the comm lane when overlap_comm is set,
         so that backward or the step goes on meanwhile, and return its handle; wait() waits for it. Without
         overlap_comm, run fn now and return None. Jobs run one after another in the order they were given.
 
-        prefetch=True: a stage-3 gather started ahead of need. It runs on the comm thread whatever overlap_comm
-        says (a prefetch that blocked would not be one), and its owner waits for its handle (fetch()), not
-        wait(): a unit prefetched but never fetched is released with the handle, not waited for by a step."""
-        if prefetch:
-            return self.comm.run_async(fn)
-        if not self.overlap_comm:
-            fn()
-            return None
-        handle = self.comm.run_async(fn)
-        self._handles.append(handle)
-        return handle
+        prefetch=True: a stage-3 gather started ahead of need. It runs on the comm lane whatever overlap_comm
+        says (a prefetch that blocked would not be one); its owner waits for its handle (fetch()), and wait()
+        finds it done."""
+        if prefetch or self.overlap_comm:
+            return self.submit(fn)
+        fn()
+        return None
 
     def wait(self) -> None:
-        """Wait for every job overlap() started (backward and step call it before they return)."""
-        handles, self._handles = self._handles, []
-        for h in handles:
-            h.wait()
+        """Wait for everything in flight (every handle submit() and overlap() returned): backward and step call it
+        before they return."""
+        while self.in_flight:
+            handles, self.in_flight = self.in_flight, set()
+            for h in handles:
+                h.wait()
 
     # -- measurement -------------------------------------------------------------------------------------
     @property

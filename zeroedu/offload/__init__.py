@@ -50,7 +50,6 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -62,6 +61,7 @@ from zeroedu.offload.params import ParamOffloadMixin
 from zeroedu.offload.swap import MARKER, PREFIX, OffloadError, SwapFile, SwapFolder, check_nvme_path, remove_stale
 from zeroedu.offload.transfers import LINKS, TransferMixin, transfer_seconds
 from zeroedu.report import Timeline
+from zeroedu.worker import Handle
 
 __all__ = ["CPU_ADAM", "LINKS", "MARKER", "PREFIX", "OffloadError", "OffloadMixin", "OptimizerOffloadMixin",
            "ParamOffloadMixin", "SwapFile", "SwapFolder", "TransferMixin", "check_nvme_path", "host_optimizer",
@@ -120,8 +120,7 @@ class OffloadMixin(ParamOffloadMixin, OptimizerOffloadMixin, TransferMixin):
         self._copies: list[tuple] = []   # CUDA copies in flight: (ledger entry, start event, end event, src, dst)
         self._lock = threading.Lock()
         self._folders: dict[str, SwapFolder] = {}
-        self._io: ThreadPoolExecutor | None = None
-        self._io_pending: list[Future] = []
+        self._io_pending: list[Handle] = []   # NVMe writes on the worker's io lane, waited for before a read
         self._staging: dict[int, torch.Tensor] = {}   # bucket -> the device piece its reduction lands in
         self._param_pool: queue.SimpleQueue[torch.Tensor] | None = None   # offload_param nvme: host buffers
         self._pin_opt = zc.offload_optimizer.pin_memory and self.device.type == "cuda"
@@ -182,8 +181,5 @@ class OffloadMixin(ParamOffloadMixin, OptimizerOffloadMixin, TransferMixin):
     def close(self) -> None:
         """Finish NVMe I/O and delete this rank's swap folders (interpreter exit does it too, if not done)."""
         self._wait_io()
-        if self._io is not None:
-            self._io.shutdown(wait=True)
-            self._io = None
         for folder in self._folders.values():
             folder.close()
