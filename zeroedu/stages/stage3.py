@@ -44,7 +44,7 @@ from zeroedu.flat import Bucket, FlatLayout
 from zeroedu.stages.grad_buckets import GradBuckets
 from zeroedu.stages.sizing import is_leaf, max_live_numel, module_units, prefetch_numel, reduce_bucket_numel
 from zeroedu.stages.stage2 import Stage2
-from zeroedu.stages.units import GatherSource, UnitCoordinator, UnitState
+from zeroedu.stages.units import UnitCoordinator, UnitState
 
 
 class Stage3(Stage2):
@@ -119,10 +119,6 @@ class Stage3(Stage2):
     def start_forward(self) -> None:
         """The first module call of a forward: no unit's backward is over in it yet."""
         self._reduced = set()
-
-    def gather_source(self) -> GatherSource:
-        """How units are gathered: the coordinator's source (ZeRO++ sets its own in setup)."""
-        return self.units.source
 
     def place_parameters(self) -> None:
         """This rank keeps its shard, filled one unit at a time: a model built inside zeroedu.zero.Init is
