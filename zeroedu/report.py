@@ -43,6 +43,16 @@ class Timeline(list):
         for item in items:
             self.append(item)
 
+    def __reduce__(self):   # unpickled as it was: not re-appended (and re-trimmed) before its attributes are set
+        return _rebuild_timeline, (list(self), self.__dict__)
+
+
+def _rebuild_timeline(items: list, state: dict) -> Timeline:
+    timeline = Timeline()
+    list.extend(timeline, items)
+    timeline.__dict__.update(state)
+    return timeline
+
 
 def since(entries: list, start: int, end: int) -> tuple[list, int]:
     """The entries from absolute position `start` on, in a bounded list whose next absolute position is `end`;
