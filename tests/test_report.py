@@ -74,3 +74,18 @@ def test_a_step_larger_than_the_window_says_so():
         engine.step()
     text = "\n".join(engine.log_lines)
     assert "raise engine.timeline.keep" in text and "raise engine.ledger.max_entries" in text
+
+
+def test_a_timeline_keeps_its_window_and_count_through_pickle():
+    """Rank results travel pickled (zeroedu.launch): the window, the count and the knob arrive as they were."""
+    import pickle
+
+    from zeroedu.report import Timeline
+
+    t = Timeline()
+    t.keep = 3
+    for i in range(10):
+        t.append(i)
+    u = pickle.loads(pickle.dumps(t))
+    assert type(u) is Timeline and list(u) == list(t) == [4, 5, 6, 7, 8, 9]
+    assert (u.appended, u.keep) == (10, 3)
