@@ -209,7 +209,8 @@ class Stage3(Stage2):
         """A leaf's backward reached its input: every gradient it will produce is in (autograd accumulates a
         parameter's gradient as soon as it is computed, before it goes on to the module's input). A parameter
         inside it that got none on this rank (an expert no token was routed to) counts as zero: its unit is
-        reduced here, at the same point of the backward on every rank, as DeepSpeed's leaf hook does."""
+        reduced here, at the same point of the backward on every rank, as DeepSpeed's leaf hook does
+        (reduce_leaf_module_grads in deepspeed/runtime/zero/stage3.py, 0.19.8)."""
         if not self.reduces_this_micro_step():
             return
         for u in self.units_of[m]:
