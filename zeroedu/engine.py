@@ -63,15 +63,17 @@ class Engine:
                 take_bucket_buffer, the buffer alone, is exercise 5's), move_grads and reduce_scatter_buckets;
                 stage 3's units through fetch / release, start_gathers, unit_buffer, and param_piece (what
                 a rank sends when a unit is gathered)
-    overlap     overlap(fn) runs collectives on the worker's comm lane when overlap_comm is set; submit(fn, lane)
-                always does (lanes "comm" and "io"); overlap(fn, prefetch=True) always does too, and the caller
-                waits for the handle it returns. Everything started is in `in_flight`, which wait() drains
+    overlap     overlap(fn) runs collectives on the worker's comm lane when overlap_comm is set (and now
+                otherwise); overlap(fn, prefetch=True) and submit(fn, lane) always run on a lane ("comm" or
+                "io") and return the handle the caller waits for. Everything started is in `in_flight`, which
+                wait() drains
     step        grad_pieces() -> optimizer_step(grads, coef) -> publish(), which puts each new master piece
                 in its param_home(bucket) by write_back(bucket, master) and gathers; then zero_grads()
     build_optimizer() makes the optimizer over master_pieces (offload: on the host)
     attributes  stage, sharded, partitions_grads, keeps_parameter_copies (extras ask these, not the stage
                 number or the class name), layout,
-                master_pieces, grad_shard, param_shard; stage 3: gathered, inflight, unit_buffers, persistent
+                master_pieces, grad_shard, param_shard; stage 3: units (the coordinator: gathered, inflight,
+                unit_buffers), grad_buckets, persistent; in_flight (every handle started, until wait())
     memory      owned() by category (tier_bytes() for other tiers)
     checkpoints master_full(), checkpoint_master(), checkpoint_optimizer_state(), restore_checkpoint()
     """
