@@ -53,3 +53,17 @@ def test_wait_drains_everything_the_engine_started():
         assert not engine.in_flight        # backward returns with nothing in flight
         engine.step()
         assert not engine.in_flight
+
+
+def test_forwards_without_a_backward_keep_in_flight_bounded():
+    """Evaluation runs forwards only, so nothing calls wait(): the prefetches it starts must not pile up."""
+    engine, *_ = zeroedu.initialize(model=torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(4))), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                              "stage3_prefetch_bucket_size": 1000}})
+    engine.backward(engine(torch.randn(2, 4)).sum())   # the first forward records the order prefetch follows
+    engine.step()
+    with torch.no_grad():
+        for _ in range(200):
+            engine(torch.randn(2, 4))
+    assert 0 < len(engine.in_flight) <= 256

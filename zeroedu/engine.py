@@ -63,7 +63,7 @@ class Engine:
                 take_bucket_buffer, the buffer alone, is exercise 5's), move_grads and reduce_scatter_buckets;
                 stage 3's units through fetch / release, start_gathers, unit_buffer, and param_piece (what
                 a rank sends when a unit is gathered)
-    overlap     overlap(fn) runs collectives on the worker's comm lane when overlap_comm is set (and now
+    overlap     overlap(fn) runs collectives on the worker's comm lane when overlap_comm is set (at once
                 otherwise); overlap(fn, prefetch=True) and submit(fn, lane) always run on a lane ("comm" or
                 "io") and return the handle the caller waits for. Everything started is in `in_flight`, which
                 wait() drains
@@ -406,6 +406,8 @@ class Engine:
         """Run fn on one of the worker's lanes ("comm": collectives, in order; "io": offload's file reads and
         writes) and return its handle, which joins `in_flight` until wait()."""
         handle = self.comm.run_async(fn) if lane == "comm" else worker().submit(fn, lane)
+        if len(self.in_flight) >= 256:   # forwards without a backward (evaluation) never call wait(): stay bounded
+            self.in_flight = {h for h in self.in_flight if not h.settled()}
         self.in_flight.add(handle)
         return handle
 

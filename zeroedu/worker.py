@@ -37,6 +37,10 @@ class Handle:
         """Finished (a native collective: finished and waited for)."""
         return self._done.is_set()
 
+    def settled(self) -> bool:
+        """Finished without an error: nothing is left to wait for or to report."""
+        return self._done.is_set() and self._error is None
+
     def wait(self) -> None:
         """Return once the job is done; raise what it raised."""
         if self._work is not None:
