@@ -72,7 +72,7 @@ def touches(path: Path, privates: set[str]) -> list[str]:
 
 
 def test_the_core_has_privates_to_protect():
-    assert {"_phase", "_marks"} <= core_privates()   # the scan sees methods and attributes set on self
+    assert {"_phase", "_tracker"} <= core_privates()   # the scan sees methods and attributes set on self
     assert {"_file_io", "_swap_out", "_param_pool"} <= core_privates(OFFLOAD)   # and every part of offload
 
 

@@ -39,4 +39,6 @@ def test_bench_runs_every_stage_against_its_peer():
         assert r["rounds"] == 2 and r["zeroedu_ms"] > 0 and r["peer_ms"] > 0 and r["ratio"] > 0
         assert r["zeroedu_states"] == r["theory_states"], r
         assert r["sent_per_step"] == theory.comm_bytes_per_step(psi, 2, r["stage"], "fp32")["total"], r
+        # The limit: compute and the replayed transfer of the stage's own collectives, both measured
+        assert r["compute_ms"] > 0 and r["transfer_ms"] > 0 and r["vs_limit"][0] > 0, r
     assert "| 3 | FSDP2 reshard_after_forward=True |" in bench.format_rows(rows, 2, 32, 1)

@@ -157,6 +157,26 @@ def adopt(engine) -> None:
             p.zero_shape, p.zero_partition = shape, unit
 
 
+def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list[type]) -> list[torch.nn.Module]:
+    """Mark every module of these classes in `model` as a stage-3 leaf (DeepSpeed's
+    deepspeed.utils.set_z3_leaf_modules, the same `_z3_leaf` flag): call it before initialize().
+
+    A leaf is gathered whole when it starts (every parameter inside it, as one unit) and the modules inside it get
+    no hooks. Use it where the modules inside run differently from rank to rank, as a mixture of experts routes
+    tokens: every rank then gathers the same units in the same order. An expert no token reached on a rank gets
+    no gradient there; when the leaf's backward ends, its missing gradients count as zero (as DeepSpeed's
+    leaf hook does), so every rank reduces the leaf's unit at the same point. The leaf's input must require grad:
+    that backward end is where the gradient reaches its input."""
+    classes = tuple(leaf_module_classes)
+    found = [m for m in model.modules() if isinstance(m, classes)]
+    if not found:
+        names = ", ".join(c.__name__ for c in classes)
+        raise ValueError(f"no module of class {names} in this model: pass the classes of modules it contains")
+    for m in found:
+        m._z3_leaf = True
+    return found
+
+
 class GatheredParameters:
     """Make partitioned parameters whole for a `with` block; with `modifier_rank`, keep rank r's changes.
 

@@ -134,7 +134,7 @@ def zeroedu_config(stage: int, micro_batch: int, zero: dict | None = None, block
 def _contenders(stage: int) -> list[str]:
     """Who takes turns in a stage's rounds: zeroedu, its peer, and at stage 3 zeroedu's stage 2 too (the
     communication-bound comparison: stage 3 sends 1.5x stage 2's bytes)."""
-    return ["zeroedu", "peer"] + (["zeroedu stage 2"] if stage == 3 else [])
+    return ["zeroedu", "peer"] + (["zeroedu stage 2"] if stage == 3 else []) + ["limit"]
 
 
 def _rank_device() -> torch.device:
@@ -166,6 +166,75 @@ def _take_turns(steps: dict[str, Callable], batches: list, warmup: int, rounds: 
     return times
 
 
+class Limit:
+    """What this machine allows a stage's step: its compute with no communication, plus the transfer of its bytes
+    with no compute, one collective after another. Both are measured in the same rounds as the stage itself.
+
+    compute: forward and backward of a plain copy of the model on this rank's micro-batch, and fused Adam over the
+    elements this rank steps (the whole model at stage 0, 1/N of it at stages 1-3), as one flat piece.
+    transfer: the collectives of the stage's newest complete step, as its ledger lists them (op, elements, dtype),
+    replayed through a Comm of the same implementation (ring, direct or gloo's own per op), with the ranks
+    synchronized by a barrier in between, so that neither side waits for the other's compute.
+
+    A stage at 1.0x its limit hides nothing and loses nothing; below 1.0x it overlaps transfers with compute;
+    above, the excess is the engine's own work (hooks, copies, bookkeeping) and whatever overlap costs.
+    """
+
+    def __init__(self, work: Workload, engine, device: torch.device) -> None:
+        from zeroedu.comm import Comm
+
+        self.model, self.loss, self.engine = work.model().to(device), work.loss, engine
+        stepped = sum(p.numel() for p in engine.master_pieces)
+        self.piece = torch.zeros(stepped, device=device, requires_grad=True)
+        self.piece.grad = torch.zeros_like(self.piece)
+        self.adam = torch.optim.Adam([self.piece], lr=1e-3, fused=True)
+        self.comm = Comm(implementation=engine.comm.implementation)
+        self.device, self.plan, self.buffers = device, None, []
+        self.compute: list[float] = []
+        self.transfer: list[float] = []
+
+    def _replay_plan(self) -> None:
+        """Buffers for the collectives of the engine's newest complete optimizer step (made outside the timing)."""
+        step = self.engine.global_step - 1
+        plan = tuple((e.op, e.numel, e.dtype) for e in self.engine.ledger
+                     if e.step == step and e.phase != "init" and e.kind in ("params", "grads", "scalar")
+                     and e.op in ("all_reduce", "reduce_scatter", "all_gather"))
+        if plan == self.plan:
+            return
+        n = self.comm.world_size
+        self.plan, self.buffers = plan, []
+        for op, numel, dtype in plan:
+            full = -(-numel // n) * n
+            t = torch.empty(full, dtype=getattr(torch, dtype), device=self.device)
+            self.buffers.append((op, t, torch.empty(full // n, dtype=t.dtype, device=self.device)))
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        self._replay_plan()
+        t0 = time.perf_counter()
+        self.loss(self.model(x), y).backward()
+        self.adam.step()
+        for p in self.model.parameters():
+            p.grad = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t1 = time.perf_counter()
+        dist.barrier()
+        t2 = time.perf_counter()
+        for op, full, piece in self.buffers:
+            if op == "all_reduce":
+                self.comm.all_reduce(full)
+            elif op == "reduce_scatter":
+                self.comm.reduce_scatter(piece, full)
+            else:
+                self.comm.all_gather(full, piece)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.compute.append(t1 - t0)
+        self.transfer.append(time.perf_counter() - t2)
+
+
 def _bench_rank(rank: int, world: int, work: Workload, rounds: int, warmup: int, mb: int, zero: dict,
                 defaults: bool) -> dict:
     """On every rank: each stage and its peer, one step each in turn (order rotating), same batches."""
@@ -184,6 +253,10 @@ def _bench_rank(rank: int, world: int, work: Workload, rounds: int, warmup: int,
     for stage, peer, _ in PAIRS:
         steps, owned, engines, models, opts = {}, {}, {}, {}, {}
         for name in _contenders(stage):
+            if name == "limit":   # after zeroedu's engine: it replays that engine's collectives
+                limit = Limit(work, engines["zeroedu"], device)
+                steps[name] = limit.step
+                continue
             if name == "peer":
                 model, opt = _peer_model(peer, work, device)
                 models[name], opts[name] = model, opt
@@ -202,6 +275,8 @@ def _bench_rank(rank: int, world: int, work: Workload, rounds: int, warmup: int,
             steps[name] = lambda x, y, e=engine: e.train_batch((x, y), work.loss)
             owned[name] = engine.owned
         row = {"times": _take_turns(steps, batches, warmup, rounds, device)}
+        row["limit_compute"], row["limit_transfer"] = limit.compute[warmup:], limit.transfer[warmup:]
+        del steps["limit"]
         for name in steps:   # one more step each, under torch's MemTracker (not timed)
             dist.barrier()
             e = engines.get(name)
@@ -217,7 +292,7 @@ def _bench_rank(rank: int, world: int, work: Workload, rounds: int, warmup: int,
         row["sent_per_step"] = engine.ledger.per_step(warmup)["total"]
         row["buckets"] = (engine.bucket_numel, getattr(engine, "prefetch_numel", None))
         out[stage] = row
-        del engines, engine, steps, owned, models, opts
+        del engines, engine, steps, owned, models, opts, limit
     out["device"] = f"{dist.get_backend()} on {device.type.upper()}"
     return out
 
@@ -272,8 +347,21 @@ def run(world_size: int = 2, d_model: int = 256, layers: int = 4, rounds: int = 
             row[f"{who}_resident"] = max(r[f"{who}_resident"] for r in rs)
         if "zeroedu stage 2" in slowest:
             row["vs_stage2"] = _ratio(slowest["zeroedu"], slowest["zeroedu stage 2"])
+        # The limit of a round: the slowest rank's compute plus the slowest rank's transfer.
+        compute = [max(t) for t in zip(*(r["limit_compute"] for r in rs), strict=True)]
+        transfer = [max(t) for t in zip(*(r["limit_transfer"] for r in rs), strict=True)]
+        limit = [c + t for c, t in zip(compute, transfer, strict=True)]
+        row["limit_ms"], row["compute_ms"], row["transfer_ms"] = (1e3 * statistics.median(v)
+                                                                  for v in (limit, compute, transfer))
+        row["vs_limit"] = _ratio(slowest["zeroedu"], limit)
+        row["peer_vs_limit"] = _ratio(slowest["peer"], limit)
         rows.append(row)
     return rows
+
+
+def _fmt_ratio(r: tuple[float, float, float]) -> str:
+    g, q1, q3 = r
+    return f"{g:.2f}x ({q1:.2f}-{q3:.2f})"
 
 
 def _mib(n: float, digits: int = 2) -> str:   # a table cell: the column header names the unit
@@ -287,8 +375,9 @@ def format_rows(rows: list[dict], world_size: int, d_model: int | None = None, l
              f"{world_size} ranks, {rows[0]['device']}, {rows[0]['rounds']} rounds; zeroedu {config}",
              "| stage | peer | zeroedu ms | peer ms | ratio: geometric mean (quartiles) | "
              "zeroedu resident / peak MiB | peer resident / peak MiB | zeroedu model states MiB (theory) | "
-             "ledger MiB sent/step | buckets (reduce, prefetch) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "ledger MiB sent/step | buckets (reduce, prefetch) | limit ms (compute + transfer) | "
+             "zeroedu / limit | peer / limit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         at = "=" if r["zeroedu_states"] == r["theory_states"] else "!="
         reduce, prefetch = r.get("buckets") or (None, None)
@@ -298,7 +387,9 @@ def format_rows(rows: list[dict], world_size: int, d_model: int | None = None, l
                      f"{_mib(r['zeroedu_resident'], 1)} / {_mib(r['zeroedu_peak'], 1)} | "
                      f"{_mib(r['peer_resident'], 1)} / {_mib(r['peer_peak'], 1)} | "
                      f"{_mib(r['zeroedu_states'])} {at} {_mib(r['theory_states'])} | "
-                     f"{_mib(r['sent_per_step'])} | {sizes} |")
+                     f"{_mib(r['sent_per_step'])} | {sizes} | "
+                     f"{r['limit_ms']:.1f} ({r['compute_ms']:.1f} + {r['transfer_ms']:.1f}) | "
+                     f"{_fmt_ratio(r['vs_limit'])} | {_fmt_ratio(r['peer_vs_limit'])} |")
     for r in rows:
         if "vs_stage2" in r:
             g, q1, q3 = r["vs_stage2"]

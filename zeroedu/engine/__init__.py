@@ -20,18 +20,14 @@ import torch
 from torch.utils._pytree import tree_map
 
 from zeroedu.comm import Comm, Handle
+from zeroedu.comm.worker import worker
 from zeroedu.config import Config
 from zeroedu.engine.facade import DeepSpeedFacade, half_inputs
+from zeroedu.engine.report import TIMELINE_KEEP, StepReport, Timeline, comms_summary
 from zeroedu.memory import MODEL_STATES, PeakTracker, SavedActivations, resident
 from zeroedu.precision import LossScaler, compute_dtype
 
-TIMELINE_KEEP = 5_000   # phases kept: thousands of steps for plots; a long run's memory stays flat
-
-
-def trim_timeline(timeline: list) -> None:
-    """Keep the newest TIMELINE_KEEP entries, trimming in chunks (so indices taken recently stay valid)."""
-    if len(timeline) > 2 * TIMELINE_KEEP:
-        del timeline[:-TIMELINE_KEEP]
+__all__ = ["TIMELINE_KEEP", "Engine", "Timeline", "compute_device", "make_optimizer"]
 
 
 def compute_device(model: torch.nn.Module, backend: str) -> torch.device:
@@ -68,14 +64,17 @@ class Engine(DeepSpeedFacade):
                 take_bucket_buffer, the buffer alone, is exercise 5's), move_grads and reduce_scatter_buckets;
                 stage 3's units through fetch / release, start_gathers, unit_buffer, and param_piece (what
                 a rank sends when a unit is gathered)
-    overlap     overlap(fn) runs collectives on the comm thread when overlap_comm is set; wait() waits for them;
-                overlap(fn, prefetch=True) always does, and the caller waits for the handle it returns
+    overlap     overlap(fn) runs collectives on the worker's comm lane when overlap_comm is set (at once
+                otherwise); overlap(fn, prefetch=True) and submit(fn, lane) always run on a lane ("comm" or
+                "io") and return the handle the caller waits for. Everything started is in `in_flight`, which
+                wait() drains
     step        grad_pieces() -> optimizer_step(grads, coef) -> publish(), which puts each new master piece
                 in its param_home(bucket) by write_back(bucket, master) and gathers; then zero_grads()
     build_optimizer() makes the optimizer over master_pieces (offload: on the host)
     attributes  stage, sharded, partitions_grads, keeps_parameter_copies (extras ask these, not the stage
                 number or the class name), layout,
-                master_pieces, grad_shard, param_shard; stage 3: gathered, inflight, unit_buffers, persistent
+                master_pieces, grad_shard, param_shard; stage 3: units (the coordinator: gathered, inflight,
+                unit_buffers), grad_buckets, persistent; in_flight (every handle started, until wait())
     memory      owned() by category (tier_bytes() for other tiers)
     checkpoints master_full(), checkpoint_master(), checkpoint_optimizer_state(), restore_checkpoint()
     """
@@ -109,15 +108,17 @@ class Engine(DeepSpeedFacade):
         self.global_step = 0
         self.skipped_steps = 0
         self.scaler = LossScaler.from_config(config.fp16)
-        self.timeline: list[tuple[str, float, float]] = []   # (phase, start, end) in time.time()
+        # (phase, start, end) in time.time(), the newest TIMELINE_KEEP to twice that (engine.timeline.keep)
+        self.timeline: Timeline = Timeline()
         self.last_peak: PeakTracker | None = None
         self.last_activations: SavedActivations | None = None   # what the last tracked forward saved for backward
         self._tracker: PeakTracker | None = None
-        self._handles: list = []           # overlap(): jobs on the comm thread that wait() waits for
-        self.log_lines: list[str] = []     # what rank 0 printed, on every rank (the newest 5,000-10,000 lines)
+        self.in_flight: set[Handle] = set()   # every job this engine started on the worker's lanes, until wait()
+        self.log_lines = Timeline()        # what rank 0 printed, on every rank (the newest 5,000-10,000 lines)
+        # Where the last optimizer step ended in the timeline and the ledger (absolute: trimming shifts nothing).
+        self.step_report = StepReport(self.timeline, self.comm.ledger)
         self._loss_sum: torch.Tensor | None = None
         self.last_loss: float | None = None
-        self._marks = (0, 0)               # (timeline, ledger) lengths at the last optimizer step
 
         # Where the model computes: the rank's GPU under NCCL (zeroedu.launch and torchrun set the current
         # device), else where its parameters already are (the CPU under gloo). Every buffer a stage makes
@@ -251,7 +252,6 @@ class Engine(DeepSpeedFacade):
         with self.comm.in_phase(name):
             yield
         self.timeline.append((name, t0, time.time()))
-        trim_timeline(self.timeline)
 
     def forward(self, *args, **kwargs):
         if self.device.type != "cpu":   # inputs follow the model to its GPU, as DDP's do
@@ -394,48 +394,50 @@ class Engine(DeepSpeedFacade):
 
     def log(self, text: str) -> None:
         """Print on rank 0 (DeepSpeed's log_dist(ranks=[0])); every rank keeps the line in log_lines."""
-        self.log_lines.append(text)
-        trim_timeline(self.log_lines)     # a long run that prints every step keeps a bounded window
+        self.log_lines.append(text)       # a long run that prints every step keeps a bounded window
         if self.rank == 0:
             print(text, flush=True)
 
     def report_step(self) -> None:
-        """After an optimizer step: what the logging keys ask for (zeroedu.report formats it)."""
-        from zeroedu.engine import report
-
-        report.after_step(self)
+        """After an optimizer step: what the logging keys ask for (zeroedu.report.StepReport formats it)."""
+        self.step_report.after_step(self)
 
     def log_summary(self) -> str:
         """The ledger's per-collective summary (what deepspeed.comm.log_summary() prints with comms_logger)."""
-        from zeroedu.engine import report
-
-        text = report.comms_summary(self.ledger)
+        text = comms_summary(self.ledger)
         self.log(text)
         return text
 
-    # -- overlap -----------------------------------------------------------------------------------------
+    # -- overlap: the worker's lanes, and the one set of everything in flight ---------------------------------
+    def submit(self, fn: Callable[[], None], lane: str = "comm") -> Handle:
+        """Run fn on one of the worker's lanes ("comm": collectives, in order; "io": offload's file reads and
+        writes) and return its handle, which joins `in_flight` until wait()."""
+        handle = self.comm.run_async(fn) if lane == "comm" else worker().submit(fn, lane)
+        if len(self.in_flight) >= 256:   # forwards without a backward (evaluation) never call wait(): stay bounded
+            self.in_flight = {h for h in self.in_flight if not h.settled()}
+        self.in_flight.add(handle)
+        return handle
+
     def overlap(self, fn: Callable[[], None], prefetch: bool = False) -> Handle | None:
-        """Run fn (collectives, and the work that belongs with them) on the comm thread when overlap_comm is set,
+        """Run fn (collectives, and the work that belongs with them) on the comm lane when overlap_comm is set,
         so that backward or the step goes on meanwhile, and return its handle; wait() waits for it. Without
         overlap_comm, run fn now and return None. Jobs run one after another in the order they were given.
 
-        prefetch=True: a stage-3 gather started ahead of need. It runs on the comm thread whatever overlap_comm
-        says (a prefetch that blocked would not be one), and its owner waits for its handle (fetch()), not
-        wait(): a unit prefetched but never fetched is released with the handle, not waited for by a step."""
-        if prefetch:
-            return self.comm.run_async(fn)
-        if not self.overlap_comm:
-            fn()
-            return None
-        handle = self.comm.run_async(fn)
-        self._handles.append(handle)
-        return handle
+        prefetch=True: a stage-3 gather started ahead of need. It runs on the comm lane whatever overlap_comm
+        says (a prefetch that blocked would not be one); its owner waits for its handle (fetch()), and wait()
+        finds it done."""
+        if prefetch or self.overlap_comm:
+            return self.submit(fn)
+        fn()
+        return None
 
     def wait(self) -> None:
-        """Wait for every job overlap() started (backward and step call it before they return)."""
-        handles, self._handles = self._handles, []
-        for h in handles:
-            h.wait()
+        """Wait for everything in flight (every handle submit() and overlap() returned): backward and step call it
+        before they return."""
+        while self.in_flight:
+            handles, self.in_flight = self.in_flight, set()
+            for h in handles:
+                h.wait()
 
     # -- measurement -------------------------------------------------------------------------------------
     @property

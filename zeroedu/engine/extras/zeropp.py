@@ -32,11 +32,14 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from zeroedu.comm import Comm, Ledger
 from zeroedu.engine.flat import Bucket
+from zeroedu.engine.stages.units import GatherSource
 from zeroedu.theory.vocab import ZEROPP_BLOCK_SIZE, ZEROPP_GRAD_BITS, ZEROPP_WEIGHT_BITS
 
 WEIGHT_BITS = ZEROPP_WEIGHT_BITS
@@ -207,15 +210,13 @@ def where_bytes_go(ledgers: list[Ledger], node_size: int, step: int | None = Non
 class ZeroPPMixin:
     """qwZ, hpZ and qgZ on top of Stage3 (composed by zeroedu.compose.engine_class).
 
-    It overrides three hooks of stage 3: start_gathers (where a unit's gather comes from), reduce_scatter_buckets
-    (qgZ's collective) and publish (hpZ's secondary copy goes stale)."""
+    It gives stage 3's coordinator a gather source (ZeroPPSource: where a unit's gather comes from) and overrides
+    two hooks: reduce_scatter_buckets (qgZ's collective) and publish (hpZ's secondary copy goes stale)."""
 
     quantizer: BlockQuantizer = BlockQuantizer()   # qwZ's and qgZ's block quantizer (a subclass may set another)
     # hpZ's secondary partition is another copy of the parameters, which a broadcast into the shard would leave
     # stale; the flag covers every ZeRO++ engine, as the stage-3-only check it replaced did
     keeps_parameter_copies = True
-    # qgZ replaces the reduce-scatter and hpZ gathers from the node: neither shares a round with the other
-    fuse_backward = False
 
     def setup(self) -> None:
         super().setup()
@@ -234,8 +235,8 @@ class ZeroPPMixin:
             for local in range(m):
                 self.cross_comm = self.comm.subgroup(list(range(local, n, m)), f"cross{local}") or self.cross_comm
         # hpZ's secondary shard: this rank's 1/M of every unit that is gathered (a persistent unit stays whole
-        # and needs none), cut from the forward's all-gather. A unit is in _secondary_fresh once a forward
-        # gather has refreshed it after the last optimizer step.
+        # and needs none), cut from the forward's all-gather. A unit is in secondary_fresh once a forward
+        # gather has refreshed it after the last optimizer step (secondary_fresh).
         self._secondary_at: dict[int, int] = {}
         numel = 0
         for b in self.layout.buckets:
@@ -243,7 +244,8 @@ class ZeroPPMixin:
                 self._secondary_at[b.index] = numel
                 numel += b.padded // m
         self.secondary = torch.zeros(numel, dtype=self.dtype, device=self.param_shard.device) if self.hpz else None
-        self._secondary_fresh: set[int] = set()
+        self.secondary_fresh: set[int] = set()
+        self.units.source = ZeroPPSource(self)
 
     @staticmethod
     def _knobs() -> tuple[int, int, int, int]:
@@ -273,28 +275,10 @@ class ZeroPPMixin:
         return self.secondary[at: at + b.padded // self.node_size]
 
     # -- parameters: qwZ and hpZ ------------------------------------------------------------------------------
-    # Stage 3 asks for units to be gathered (start_gathers); ZeRO++ picks where each comes from: the node's
-    # secondary copy (hpZ, in backward) or every rank's primary piece (int8 blocks under qwZ). Units from one
-    # source travel in one collective when the stage coalesces, as DeepSpeed's quantized all-gather does:
-    # each unit keeps its own blocks, so the bytes are exactly those of one collective per unit.
-    def start_gathers(self, units: list[Bucket]) -> None:
-        node_ok = self.hpz and self.comm.phase != "forward"
-        from_node = [b for b in units if node_ok and b.index in self._secondary_fresh]
-        from_world = [b for b in units if not (node_ok and b.index in self._secondary_fresh)]
-        if self.hpz:   # the world gathers below refresh these before any later job reads them
-            self._secondary_fresh.update(b.index for b in from_world)
-        for node, group in ((True, from_node), (False, from_world)):
-            for part in ([group] if self.coalesce else [[b] for b in group]):
-                if not part:
-                    continue
-                bufs = [self.unit_buffer(b) for b in part]   # each unit's own buffer: autograd's saved views use it
-                handle = self.overlap(lambda part=part, bufs=bufs, node=node: self._gather(part, bufs, node),
-                                      prefetch=True)
-                for b, buf in zip(part, bufs, strict=True):
-                    self.inflight[b.index] = (handle, buf)
-
-    def _gather(self, units: list[Bucket], bufs: list[torch.Tensor], from_node: bool) -> None:
-        """On the comm thread: fill the units' buffers."""
+    # Stage 3's coordinator decides when units are gathered; ZeRO++ only says how (ZeroPPSource below): from the
+    # node's secondary copy (hpZ, in backward) or from every rank's primary piece (int8 blocks under qwZ).
+    def gather_units(self, units: list[Bucket], bufs: list[torch.Tensor], from_node: bool) -> None:
+        """On the comm thread: fill the units' buffers from the node's secondary copy or from the world."""
         if from_node:
             self.node_comm.all_gather_coalesced(bufs, [self.secondary_piece(b) for b in units], kind="params")
             return
@@ -373,10 +357,29 @@ class ZeroPPMixin:
         # New weights: the secondary copy is stale. Refreshing it here would be a cross-node all-gather (each
         # node holds only 1/G of the primary shards), the traffic hpZ exists to avoid; the next forward
         # all-gather brings the full units anyway and refreshes it for free.
-        self._secondary_fresh.clear()
+        self.secondary_fresh.clear()
 
     def owned(self) -> dict[str, list[torch.Tensor]]:
         base = super().owned()
         if self.secondary is not None:   # hpZ's memory price: Psi/M more parameter elements per rank
             base["parameters"] = [*base["parameters"], self.secondary]
         return base
+
+
+class ZeroPPSource(GatherSource):
+    """How a ZeRO++ engine gathers units: in backward, a unit whose secondary copy is fresh comes from the node
+    (hpZ); every other unit from the world, as int8 blocks under qwZ. Units from one source travel in one
+    collective when the stage coalesces, as DeepSpeed's quantized all-gather does: each unit keeps its own blocks,
+    so the bytes are exactly those of one collective per unit."""
+
+    fusable = False   # qgZ replaces the reduce-scatter and hpZ gathers from the node: neither shares a round
+
+    def plan(self, units: list[Bucket]) -> list[tuple[list[Bucket], Callable[[list, list[torch.Tensor]], None]]]:
+        e = self.engine
+        node_ok = e.hpz and e.comm.phase != "forward"
+        from_node = [b for b in units if node_ok and b.index in e.secondary_fresh]
+        from_world = [b for b in units if not (node_ok and b.index in e.secondary_fresh)]
+        if e.hpz:   # the world gathers planned here refresh these before any later job reads them
+            e.secondary_fresh.update(b.index for b in from_world)
+        return [(from_node, partial(e.gather_units, from_node=True)),
+                (from_world, partial(e.gather_units, from_node=False))]

@@ -42,13 +42,25 @@ STAGE01_BUCKET = 50_000_000
 BUCKETS_PER_MODEL = 8
 
 
+def is_leaf(m: torch.nn.Module) -> bool:
+    """Is m a stage-3 leaf (zeroedu.zero.set_z3_leaf_modules): gathered whole, with everything inside it?"""
+    return bool(getattr(m, "_z3_leaf", False))
+
+
 def module_units(module: torch.nn.Module) -> list[tuple[torch.nn.Module, list[torch.nn.Parameter]]]:
     """Each module that owns trainable parameters directly, with them; a shared parameter goes to its first module
-    (stage 3's units)."""
+    (stage 3's units). A leaf module (set_z3_leaf_modules) is one unit with every parameter inside it, and the
+    modules inside it have none."""
     seen: set[torch.nn.Parameter] = set()
+    inside: set[torch.nn.Module] = set()   # modules within a leaf
     units = []
     for m in module.modules():
-        mine = [p for p in m.parameters(recurse=False) if p.requires_grad and p not in seen]
+        if m in inside:
+            continue
+        leaf = is_leaf(m) and m is not module
+        if leaf:
+            inside.update(sub for sub in m.modules() if sub is not m)
+        mine = [p for p in m.parameters(recurse=leaf) if p.requires_grad and p not in seen]
         seen.update(mine)
         if mine:
             units.append((m, mine))

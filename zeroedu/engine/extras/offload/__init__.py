@@ -50,11 +50,11 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
+from zeroedu.comm.worker import Handle
 from zeroedu.engine import make_optimizer
 from zeroedu.engine.extras.offload.optimizer import OptimizerOffloadMixin
 from zeroedu.engine.extras.offload.params import ParamOffloadMixin
@@ -68,6 +68,7 @@ from zeroedu.engine.extras.offload.swap import (
     remove_stale,
 )
 from zeroedu.engine.extras.offload.transfers import LINKS, TransferMixin, transfer_seconds
+from zeroedu.engine.report import Timeline
 from zeroedu.memory import resident
 
 __all__ = ["CPU_ADAM", "LINKS", "MARKER", "PREFIX", "OffloadError", "OffloadMixin", "OptimizerOffloadMixin",
@@ -120,15 +121,14 @@ class OffloadMixin(ParamOffloadMixin, OptimizerOffloadMixin, TransferMixin):
         zc = self.config.zero_optimization
         self.opt_tier, self.param_tier = zc.offload_optimizer.device, zc.offload_param.device
         self.global_rank = dist.get_rank()
-        self.adam_timeline: list[tuple[str, float, float]] = []   # (what, start, end) of host optimizer work
+        self.adam_timeline = Timeline()   # (what, start, end) of host optimizer work, bounded as engine.timeline
         self.nvme_removed: list[str] = []                          # stale swap folders this run deleted
         self.written_back = False        # has this step's update already reached the compute parameters?
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._copies: list[tuple] = []   # CUDA copies in flight: (ledger entry, start event, end event, src, dst)
         self._lock = threading.Lock()
         self._folders: dict[str, SwapFolder] = {}
-        self._io: ThreadPoolExecutor | None = None
-        self._io_pending: list[Future] = []
+        self._io_pending: list[Handle] = []   # NVMe writes on the worker's io lane, waited for before a read
         self._staging: dict[int, torch.Tensor] = {}   # bucket -> the device piece its reduction lands in
         self._param_pool: queue.SimpleQueue[torch.Tensor] | None = None   # offload_param nvme: host buffers
         self._pin_opt = zc.offload_optimizer.pin_memory and self.device.type == "cuda"
@@ -189,8 +189,5 @@ class OffloadMixin(ParamOffloadMixin, OptimizerOffloadMixin, TransferMixin):
     def close(self) -> None:
         """Finish NVMe I/O and delete this rank's swap folders (interpreter exit does it too, if not done)."""
         self._wait_io()
-        if self._io is not None:
-            self._io.shutdown(wait=True)
-            self._io = None
         for folder in self._folders.values():
             folder.close()

@@ -10,11 +10,11 @@ wherever they live. Which CPU Adam runs the step (CPU_ADAM, host_optimizer) is s
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
+from functools import partial
 
 import torch
 
-from zeroedu.engine import trim_timeline
+from zeroedu.comm.worker import Handle
 from zeroedu.engine.extras.offload.swap import OffloadError, SwapFile
 from zeroedu.engine.flat import Bucket
 
@@ -133,7 +133,6 @@ class OptimizerOffloadMixin:
         for master in self.master_pieces:
             master.grad = None
         self.adam_timeline.append(("adam", t0, time.time()))
-        trim_timeline(self.adam_timeline)
 
     @staticmethod
     def _scaled(g: torch.Tensor, coef: float) -> torch.Tensor:
@@ -142,17 +141,17 @@ class OptimizerOffloadMixin:
     def _nvme_step(self, grads: list[torch.Tensor], coef: float) -> None:
         """Sub-group by sub-group: read (nvme2h), step, write back (h2nvme), buffer_count sub-groups in host memory.
 
-        One I/O thread runs reads and writes in the order they are submitted. Sub-group i uses buffer i mod k;
+        The worker's io lane runs reads and writes in the order they are submitted. Sub-group i uses buffer i mod k;
         the read of sub-group i + k - 1 is submitted before sub-group i steps, after the write of the previous
         user of its buffer (sub-group i - 1), so it overlaps the step and never overwrites unsaved data.
         """
         k, ahead = self.buffer_count, self.buffer_count - 1
         buckets, pieces = self.layout.buckets, self.master_pieces
-        reads: dict[int, Future] = {}
-        writes: list[Future] = []
+        reads: dict[int, Handle] = {}
+        writes: list[Handle] = []
 
         def read(i: int) -> None:
-            reads[i] = self._io.submit(self._swap_in, i, self.slots[i % k], self.global_step)
+            reads[i] = self.submit(partial(self._swap_in, i, self.slots[i % k], self.global_step), lane="io")
 
         for i in range(min(ahead, len(pieces))):
             read(i)
@@ -161,17 +160,16 @@ class OptimizerOffloadMixin:
                 read(i + ahead)
             if i not in reads:
                 read(i)
-            reads.pop(i).result()
+            reads.pop(i).wait()
             t0 = time.time()
             master.grad = self._scaled(g, coef)
             self.optimizer.step()    # only this piece has a gradient: Adam skips the others
             master.grad = None
             self.adam_timeline.append(("adam", t0, time.time()))
-            trim_timeline(self.adam_timeline)
             self.write_back(b, master.detach())   # copied or cast out of the buffer before its next read
-            writes.append(self._io.submit(self._swap_out, i, self.global_step))
+            writes.append(self.submit(partial(self._swap_out, i, self.global_step), lane="io"))
         for w in writes:
-            w.result()
+            w.wait()
 
     def _swap_in(self, i: int, slot: dict[str, torch.Tensor], step: int) -> None:
         b, master = self.layout.buckets[i], self.master_pieces[i]

@@ -86,7 +86,7 @@ class ParamOffloadMixin:
                 finally:
                     self._param_pool.put(buf)
 
-            self._io_pending.append(self._io.submit(write))
+            self._io_pending.append(self.submit(write, lane="io"))
 
     def publish(self) -> None:
         if not self.written_back:   # a checkpoint load, or offload_param alone (the step ran on the device)

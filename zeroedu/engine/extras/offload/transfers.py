@@ -2,14 +2,13 @@
 reads and writes of swap files (op "nvme2h", "h2nvme"), all with kind "offload".
 
 TransferMixin holds them for OffloadMixin: `transfer` (a copy, on a CUDA side stream where there is a GPU),
-`sync_transfers`, `_file_io` and `_wait_io` (the NVMe I/O thread's queued writes), and `_folder`, which opens the
-swap folder of an nvme_path and starts that I/O thread. LINKS and transfer_seconds turn a step's bytes into time.
+`sync_transfers`, `_file_io` and `_wait_io` (the NVMe writes queued on the worker's io lane), and `_folder`,
+which opens the swap folder of an nvme_path. LINKS and transfer_seconds turn a step's bytes into time.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -37,13 +36,12 @@ def transfer_seconds(nbytes: int, link: str) -> float:
 class TransferMixin:
     """Copies and file I/O for OffloadMixin, each one a ledger entry; the state they use is made in its setup."""
 
-    # -- the swap folder of an nvme_path, and the one I/O thread ---------------------------------------------------
+    # -- the swap folder of an nvme_path ----------------------------------------------------------------------------
     def _folder(self, oc, key: str, need: int) -> SwapFolder:
-        """The swap folder of oc.nvme_path (made on first use, with the I/O thread every swap file uses)."""
+        """The swap folder of oc.nvme_path (made on first use; its reads and writes run on the worker's io lane)."""
         if oc.nvme_path not in self._folders:
             self._folders[oc.nvme_path] = SwapFolder(oc.nvme_path, key, self.rank, need)
             self.nvme_removed += self._folders[oc.nvme_path].removed
-            self._io = self._io or ThreadPoolExecutor(1, thread_name_prefix="zeroedu-nvme")   # FIFO: one worker
         return self._folders[oc.nvme_path]
 
     # -- copies and files, each one a ledger entry ---------------------------------------------------------------
@@ -93,5 +91,5 @@ class TransferMixin:
 
     def _wait_io(self) -> None:
         pending, self._io_pending = self._io_pending, []
-        for fut in pending:
-            fut.result()
+        for handle in pending:
+            handle.wait()
