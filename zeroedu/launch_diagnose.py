@@ -15,6 +15,7 @@ import re
 import signal
 import sys
 import time
+from collections import Counter
 
 from zeroedu.launch_status import _RAW
 
@@ -370,3 +371,46 @@ def _collect_stacks(run_dir: str, procs: list, world_size: int) -> dict[int, str
         time.sleep(0.02)
     time.sleep(0.05)  # let the last dump finish writing
     return {r: _with_source(_trim_stack(_tail(paths[r], 400))) for r in range(world_size)}
+
+
+def _sequence_note(views: list[_View], failure: str) -> str:
+    """When a rank died or raised: every rank's newest collectives and call line (zeroedu.agreement's record in
+    its slot), naming the rank(s) whose sequence differs from the others'. gloo kills whichever rank first sees
+    the mismatched message, which is as often the rank that did nothing wrong."""
+    recs = {v.rank: v.state["a"] for v in views if v.state and isinstance(v.state.get("a"), dict)}
+    if len(recs) < 2:
+        return ""
+    odd, why = _odd_ranks(recs)
+    if not odd and not why and "gloo" not in failure and "mismatch" not in failure:
+        return ""
+    lines = []
+    for r, a in sorted(recs.items()):
+        newest = "; ".join(f"#{i} {sig}" for i, sig in a.get("r", [])) or "none"
+        lines.append(f"  rank {r}{' (differs)' if r in odd else ''}: after {a['c']} optimizer steps, {a['b']} "
+                     f"backward() (the last engine call at {a.get('w') or 'an unknown line'}); its newest "
+                     f"collectives since that step: {newest}")
+    head = (f"The ranks' sequences of collectives differ: rank(s) {', '.join(map(str, odd))} {why}." if odd else
+            f"The ranks' sequences of collectives differ{why}; each rank's newest collectives:")
+    return "\n\n" + head + "\n" + "\n".join(lines)
+
+
+def _odd_ranks(recs: dict[int, dict]) -> tuple[list[int], str]:
+    """The ranks whose record differs from the rest, and why; ([], "") when none can be named."""
+    over = [r for r, a in recs.items() if a["b"] > a.get("acc", 1)]
+    if over and len(over) < len(recs):
+        return over, ("called engine.backward() more often since its last engine.step() than "
+                      "gradient_accumulation_steps allows: it skipped engine.step()")
+    # The first collective (counted from the last step both reached) where the newest records disagree.
+    by_rank = {r: {(a["c"], i): sig for i, sig in a.get("r", [])} for r, a in recs.items()}
+    common = set.intersection(*(set(d) for d in by_rank.values()))
+    for at in sorted(common):
+        sigs = {r: d[at] for r, d in by_rank.items()}
+        votes = Counter(sigs.values()).most_common()
+        if len(votes) > 1 and votes[0][1] > votes[1][1]:
+            odd = [r for r, sig in sigs.items() if sig != votes[0][0]]
+            return odd, (f"ran {', '.join(sorted({sigs[r] for r in odd}))} as collective #{at[1]} after "
+                         f"{at[0]} optimizer steps, where the others ran {votes[0][0]}")
+        if len(votes) > 1:   # no majority (two ranks): say where they part, name no one
+            return [], (f" from collective #{at[1]} after {at[0]} optimizer steps on ("
+                        + "; ".join(f"rank {r}: {sig}" for r, sig in sorted(sigs.items())) + ")")
+    return [], ""
