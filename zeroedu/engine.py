@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils._pytree import tree_map
 
+from zeroedu.agreement import caller_line
 from zeroedu.comm import Comm, Handle
 from zeroedu.config import Config
 from zeroedu.memory import MODEL_STATES, PeakTracker, SavedActivations, resident
@@ -126,6 +127,14 @@ class Engine:
             raise ValueError(f"this model was built inside zeroedu.zero.Init, so its parameters are partitioned: "
                              f"train it at ZeRO stage 3 (the config asks for stage {self.stage}), or build it "
                              f"without Init.")
+        wide = sorted({n for n, p in model.named_parameters() if p.dtype == torch.float64})
+        if wide and self.dtype == torch.float32:
+            # DeepSpeed 0.19.8 keeps a float64 model in float64 without fp16/bf16 (engine.py casts only for those);
+            # zeroedu computes in fp32 there, so a silent cast would train a different model than it would.
+            raise ValueError(f"{len(wide)} parameters are float64 ({', '.join(wide[:3])}"
+                             f"{', ...' if len(wide) > 3 else ''}); zeroedu trains in fp32 (or bf16/fp16 if the "
+                             "config enables them) and would cast them. Call model.float() before initialize() to "
+                             "train in fp32, or enable bf16 for mixed precision.")
         model.to(device=self.device, dtype=self.dtype)
         # Parameters that train, each once (a tied weight is one Parameter in two modules).
         self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
@@ -314,6 +323,8 @@ class Engine:
             self.scaler.update(overflow)
             self.zero_grads()
             self.wait()
+            # Did every rank run the same collectives since the last step? (zeroedu.agreement; one small message)
+            self.comm.agree(self.global_step + 1, caller_line())
         self.global_step += 1
         self.comm.step = self.global_step
         if self.config.steps_per_print and self._loss_sum is not None:   # float(): a device sync, only when printed

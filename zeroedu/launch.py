@@ -26,6 +26,7 @@ errors, the checks before anything starts, the parent that starts, watches and s
 
 from __future__ import annotations
 
+import operator
 import os
 import shutil
 import signal
@@ -52,6 +53,7 @@ from zeroedu.launch_diagnose import (
     _mismatch_message,
     _not_joined_message,
     _raised_message,
+    _sequence_note,
     _stuck_message,
     _timeout_message,
     _View,
@@ -118,9 +120,15 @@ class LaunchTimeoutError(RankHangError):
 
 # -- checks before anything starts ---------------------------------------------------------------------------
 
-def _check_world_size(world_size: Any) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+def _check_world_size(world_size: Any) -> int:
+    """world_size as an int: any integer type (numpy's too, through __index__), never a bool or a float."""
+    try:
+        n = operator.index(world_size)
+    except TypeError:
+        n = None
+    if isinstance(world_size, bool) or n is None or n < 1:
         raise ValueError(f"world_size must be an int >= 1 (the number of ranks), got {world_size!r}")
+    return n
 
 
 def _gpus() -> int:
@@ -341,12 +349,15 @@ class _Run:
     # -- failures (the texts: zeroedu.launch_diagnose) --
     def _rank_error(self, rank: int, exc_type: str, exc_msg: str, tb: str) -> RankError:
         msg, tb = _raised_message(self.dir, self.world_size, rank, exc_type, exc_msg, tb)
+        if exc_type != "CollectiveDriftError":   # that one names the ranks already
+            msg += _sequence_note(self._views({}), msg)
         return RankError(msg, rank, tb)
 
     def _died_error(self, rank: int) -> RankError:
         code = self.procs[rank].exitcode
         state = self.slots.read(rank)
         msg = _died_message(self.dir, self.world_size, rank, code, self.procs[rank].pid, state)
+        msg += _sequence_note(self._views({}), msg)
         return RankError(msg, rank, "", code)
 
     def _check(self, results: dict) -> None:
@@ -478,7 +489,7 @@ def launch(fn: Callable, world_size: int = 4, args: Sequence = (), kwargs: dict 
         raise LaunchError(f"launch() was called inside rank {ctx.rank}, which launch() started: ranks cannot "
                           "start ranks. fn already runs on every rank; call the code directly, or call launch() "
                           "from the notebook or the script's top level.")
-    _check_world_size(world_size)
+    world_size = _check_world_size(world_size)
     if isinstance(args, str | bytes) or not isinstance(args, Sequence):
         raise TypeError(f"launch(fn, world_size, args=...) takes fn's arguments after rank and world_size as a tuple "
                         f"or list; got {type(args).__name__} {args!r:.60}. For one argument write args=(value,).")
