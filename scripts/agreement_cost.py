@@ -34,7 +34,7 @@ def _rank(rank: int, world: int, stages: list[int], rounds: int, warmup: int, mb
         inside = {"on": 0.0}
         check = engines["on"].comm.agreement.check
 
-        def timed_check(*a, check=check):
+        def timed_check(*a, check=check, inside=inside):
             t0 = time.perf_counter()
             check(*a)
             inside["on"] += time.perf_counter() - t0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
@@ -118,6 +119,7 @@ class Engine:
         self._loss_sum: torch.Tensor | None = None
         self.last_loss: float | None = None
         self._marks = (0, 0)               # (timeline, ledger) lengths at the last optimizer step
+        self._warned: set[str] = set()     # warn_if_stuck / warn_if_diverged: each said once
 
         # Where the model computes: the rank's GPU under NCCL (zeroedu.launch and torchrun set the current
         # device), else where its parameters already are (the CPU under gloo). Every buffer a stage makes
@@ -310,6 +312,7 @@ class Engine:
             overflow = norm is not None and not math.isfinite(norm)
             if overflow:
                 self.skipped_steps += 1
+                self.warn_if_stuck()
                 self.comm.ledger.note("skipped_step", "step", "scalar", self.global_step, None,
                                       group=self.comm.ranks, sent_bytes=0, impl="-")
             else:
@@ -329,8 +332,40 @@ class Engine:
         self.comm.step = self.global_step
         if self.config.steps_per_print and self._loss_sum is not None:   # float(): a device sync, only when printed
             self.last_loss = float(self._loss_sum) / self.accum
+        self.warn_if_diverged()
         self._loss_sum = None
         self.report_step()
+
+    # Runs that can no longer train say so at the step where it began, once (issue 36: a static loss scale of 1e300
+    # skipped every step, and lr 1e30 trained into NaN, without a word).
+    def warn_if_stuck(self) -> None:
+        """A skipped step with a loss scale that cannot go lower: every later step will overflow and skip too."""
+        if self.scaler.dynamic and self.scaler.scale > self.scaler.min_scale or "stuck" in self._warned:
+            return
+        self._warned.add("stuck")
+        why = ("the static fp16.loss_scale" if not self.scaler.dynamic else
+               f"fp16.min_loss_scale ({self.scaler.min_scale:g}), the lowest the dynamic scale may go")
+        self.warn(f"optimizer step {self.global_step + 1} was skipped: the gradients overflowed (their norm is "
+                  f"{self.last_grad_norm}) with a loss scale of {self.scaler.scale:g}, {why}, so the same will "
+                  f"happen at every step and the model will not train. Use a dynamic scale (fp16.loss_scale 0), "
+                  f"a lower static one, or bf16.")
+
+    def warn_if_diverged(self) -> None:
+        """The loss turned inf or nan at this step (checked where reading it costs no device sync: on the CPU,
+        or on a step whose loss is printed)."""
+        if self._loss_sum is None or "diverged" in self._warned or (
+                self.device.type != "cpu" and not self.config.steps_per_print):
+            return
+        if not bool(torch.isfinite(self._loss_sum)):
+            self._warned.add("diverged")
+            self.warn(f"the loss is {float(self._loss_sum)} at optimizer step {self.global_step} (the first step "
+                      f"whose loss is not finite): training diverged, and every later step computes on inf/nan "
+                      f"weights. The learning rate is {self.get_lr()}; lower it, "
+                      f"add gradient_clipping, or check the data.")
+
+    def warn(self, text: str) -> None:
+        warnings.warn(f"zeroedu: {text}", RuntimeWarning, stacklevel=3)
+        self.log(f"zeroedu warning: {text}")
 
     def global_grad_norm(self, grads: list[torch.Tensor]) -> float:
         """The L2 norm of the whole (unscaled) gradient: the pieces here, summed over ranks if sharded."""
