@@ -12,8 +12,9 @@ Why it is built this way:
   spends ~2 s importing torch, which "spawn" pays for every rank of every launch; the forkserver pays it once
   per notebook kernel. The forkserver is a fresh single-threaded process, so the kernel itself (threads, CUDA)
   is never forked.
-- The rendezvous store lives in the parent, on a socket the parent bound to 127.0.0.1 itself: nothing listens
-  beyond loopback and there is no race for a free port. Gloo is pinned to the loopback interface too.
+- The ranks rendezvous through a FileStore in the run's folder, which only this user can open (0700): on a shared
+  machine no other local user can join or write to it, as they could to a TCP store on loopback. Gloo's own
+  connections are pinned to the loopback interface.
 - Each rank writes what it is doing into a small shared-memory slot (`report_status`, called by the comm layer
   around every collective). The parent watches the slots and turns mismatched collectives and hangs into errors
   that name the ranks, with every rank's Python stack (faulthandler), instead of a notebook cell that never ends.
@@ -234,13 +235,11 @@ class _Run:
         try:
             with open(os.path.join(self.dir, "owner"), "w") as f:   # for the next launch, should this one be killed
                 f.write(_process_identity(os.getpid()))
+            # The ranks meet through a FileStore in self.dir (0700: launch_rank.rendezvous_store), not a TCP store
+            # that any local user could write to. The port, bound and held here but not listening, is only what
+            # MASTER_PORT says in the ranks, for code that reads it.
             sock.bind(("127.0.0.1", 0))
-            sock.listen(self.world_size + 8)
             port = sock.getsockname()[1]
-            # The rendezvous store, on the socket bound above: loopback only, and the port is already ours.
-            # The store takes ownership of the file descriptor and closes it: detach it from `sock`.
-            self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                                       master_listen_fd=sock.detach())
             self.slots = slots = _Slots(os.path.join(self.dir, "status"), self.world_size, create=True)
             self._start(port)
             return self._monitor()
@@ -409,7 +408,7 @@ class _Run:
 
 # -- torchrun and single-process initialization --------------------------------------------------------------
 
-_SINGLE_STORE: dist.TCPStore | None = None     # keeps init_distributed's loopback store alive
+_SINGLE_STORE: dist.Store | None = None     # keeps init_distributed's store alive
 
 
 def init_distributed(backend: str = "auto") -> tuple[int, int]:
@@ -417,7 +416,7 @@ def init_distributed(backend: str = "auto") -> tuple[int, int]:
 
     Already initialized: nothing to do. Under torchrun (RANK and WORLD_SIZE in the environment): join it with
     env://; 'auto' picks NCCL when every local rank has a GPU (and selects GPU LOCAL_RANK). Otherwise: a world of
-    one process on gloo, over a store listening on 127.0.0.1 only.
+    one process on gloo, over an in-process store (nothing listens).
     """
     global _SINGLE_STORE
     if dist.is_initialized():
@@ -435,12 +434,8 @@ def init_distributed(backend: str = "auto") -> tuple[int, int]:
         dist.init_process_group(backend, init_method="env://")
         return dist.get_rank(), dist.get_world_size()
     backend = "gloo" if backend == "auto" else _choose_backend(backend, 1)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(8)
-    port = sock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          master_listen_fd=sock.detach())  # the store owns and closes the descriptor
+    # A world of one meets nobody: an in-process store, so nothing listens that another local user could open.
+    store = dist.HashStore()
     _SINGLE_STORE = store
     old = os.environ.get("GLOO_SOCKET_IFNAME")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())  # gloo's listener on loopback only
