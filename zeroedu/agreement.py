@@ -8,8 +8,8 @@ How: every collective of a Comm adds its signature (op, dtype, size, phase, kind
 what this rank ran since the last check. At each optimizer step, each rank sends that CRC, its collective
 count, its step and backward counts and the line that called `engine.step()`, in one small all-gather on a
 process group of its own, so that the check is never paired with a data collective. The all-gather is started
-asynchronously and read at the next step (or at the end of the run), so it costs one small message a step and
-no wait. When the ranks disagree, each raises `CollectiveDriftError`, which names the ranks whose sequence
+asynchronously and read at a later step, once it has completed (at most two steps later: then a step waits for
+it), so it costs one small message a step and, normally, no wait. When the ranks disagree, each raises `CollectiveDriftError`, which names the ranks whose sequence
 differs from the others' (the odd ones out), the step where the drift began, and each rank's collectives and
 call line.
 """
@@ -27,6 +27,7 @@ import torch.distributed as dist
 _PAYLOAD = 2048        # bytes each rank sends per check: a JSON summary, zero-padded
 _SHOWN = 12            # signatures kept per interval, for the message (the CRC covers all of them)
 _RECENT = 4            # the newest signatures, shown by the launcher when gloo aborts on a mismatch
+_IN_FLIGHT = 2         # checks started and not yet read; at this many, the next step waits for the oldest
 
 
 class CollectiveDriftError(RuntimeError):
@@ -59,7 +60,7 @@ class Agreement:
         self.where = ""          # the line that called the engine's current backward() or step()
         self.checks = 0
         self.recent: deque[tuple[int, str]] = deque(maxlen=_RECENT)
-        self._pending: tuple | None = None   # (work, outputs, own summary) of the check in flight
+        self._pending: deque[tuple] = deque()   # (work, outputs) of the checks in flight, oldest first
         from zeroedu.launch_status import rank_context
 
         ctx = rank_context()
@@ -83,7 +84,7 @@ class Agreement:
         """Called by every rank at each optimizer step: read the previous check, start this one."""
         if self.group is None:
             return
-        self.settle()
+        self.settle(wait=len(self._pending) >= _IN_FLIGHT)
         self.where = where
         self.checks += 1
         summary = {"check": self.checks, "step": step, "n": self.count, "crc": self.crc,
@@ -96,20 +97,22 @@ class Agreement:
         # launcher compares, and this check must never be counted (or reported) as one of the run's collectives.
         gather = getattr(dist.all_gather, "__wrapped__", dist.all_gather)
         work = gather(outs, mine, group=self.group, async_op=True)
-        self._pending = (work, outs, summary)
+        self._pending.append((work, outs))
         self.crc, self.count, self.shown, self.backwards = 0, 0, [], 0
         self.recent.clear()
 
-    def settle(self) -> None:
-        """Wait for the check in flight (if any) and raise CollectiveDriftError if the ranks disagree."""
-        if self._pending is None:
-            return
-        work, outs, _ = self._pending
-        self._pending = None
-        work.wait()
-        got = [json.loads(bytes(t.numpy()).rstrip(b"\0") or b"{}") for t in outs]
-        if len({(g.get("n"), g.get("crc")) for g in got}) > 1:
-            raise CollectiveDriftError(drift_message(got, list(self.ranks)))
+    def settle(self, wait: bool = True) -> None:
+        """Read the checks in flight that have completed (wait: the oldest one even if it has not yet), and raise
+        CollectiveDriftError if the ranks disagree. Not waiting keeps a rank that is a moment ahead from waiting
+        for the others' check: it reads it at a later step."""
+        while self._pending and (wait or self._pending[0][0].is_completed()):
+            work, outs = self._pending.popleft()
+            work.wait()
+            wait = False
+            got = [json.loads(bytes(t.numpy()).rstrip(b"\0") or b"{}") for t in outs]
+            if len({(g.get("n"), g.get("crc")) for g in got}) > 1:
+                self._pending.clear()
+                raise CollectiveDriftError(drift_message(got, list(self.ranks)))
 
 
 def drift_message(got: list[dict], ranks: list[int]) -> str:
