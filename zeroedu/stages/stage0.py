@@ -33,6 +33,7 @@ class Stage0(Engine):
                 "there is nothing for ZeRO to shard or an optimizer to step. Pass the model that trains, or set "
                 "requires_grad=True on the parameters to train (p.requires_grad_(True)).")
         super().setup()   # make_layout, place_parameters
+        self.note_unsynced_buffers()
         self.comm.start_agreement()   # every optimizer step checks that the ranks ran the same collectives
         self.comm.agreement.accum = self.accum
         self._waiting: dict[int, int] = {}
@@ -41,6 +42,18 @@ class Stage0(Engine):
         self.master_pieces = [torch.nn.Parameter(t) for t in self.master_source()]
         for p in self.layout.params:
             p.register_post_accumulate_grad_hook(self.on_grad_ready)
+
+    def note_unsynced_buffers(self) -> None:
+        """Say so when the model has running statistics (BatchNorm and the like): each rank updates them from its
+        own data and nothing syncs them, as in DeepSpeed 0.19.8 (its engine broadcasts parameters once, at init,
+        never buffers); torch's DDP instead broadcasts rank 0's before every forward (broadcast_buffers=True)."""
+        tracking = [n for n, m in self.module.named_modules() if getattr(m, "track_running_stats", False)]
+        if tracking:
+            self.log(f"zeroedu note: {len(tracking)} module(s) keep running statistics ({', '.join(tracking[:3])}"
+                     f"{', ...' if len(tracking) > 3 else ''}): each rank updates its own from its own batches "
+                     "and, as in DeepSpeed, nothing syncs them, so they differ between ranks (a checkpoint keeps "
+                     "rank 0's). For the same statistics everywhere use torch.nn.SyncBatchNorm, or broadcast the "
+                     "buffers from rank 0 before evaluating.")
 
     def make_layout(self) -> None:
         """Buckets of reduce_bucket_size elements, in model order."""
