@@ -56,3 +56,26 @@ def test_batchnorm_statistics_that_drift_between_ranks_are_noted():
     results = launch(_batchnorm, 2)
     assert all(len(r["note"]) == 1 and "as in DeepSpeed, nothing syncs them" in r["note"][0] for r in results)
     assert not results[0]["mean"].equal(results[1]["mean"])   # what the note warns about does happen
+
+
+def _stops_itself(rank: int, world_size: int) -> None:
+    import signal
+
+    import torch
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)   # as a learner's Ctrl-Z or `kill -STOP` would
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_stopped_rank_is_reported_stopped_with_its_stack():
+    import pytest
+
+    from zeroedu.launch import RankHangError
+
+    with pytest.raises(RankHangError) as err:
+        launch(_stops_itself, 2, hang_timeout=3, timeout=120)
+    statuses, stacks = err.value.statuses, err.value.stacks
+    assert statuses[1].startswith("stopped (SIGSTOP"), statuses
+    assert "running user code" in statuses[1]          # what its slot said when it stopped
+    assert "_stops_itself" in stacks[1], stacks[1]      # its stack, fetched by letting it run for the dump

@@ -9,9 +9,9 @@ what this rank ran since the last check. At each optimizer step, each rank sends
 count, its step and backward counts and the line that called `engine.step()`, in one small all-gather on a
 process group of its own, so that the check is never paired with a data collective. The all-gather is started
 asynchronously and read at a later step, once it has completed (at most two steps later: then a step waits for
-it), so it costs one small message a step and, normally, no wait. When the ranks disagree, each raises `CollectiveDriftError`, which names the ranks whose sequence
-differs from the others' (the odd ones out), the step where the drift began, and each rank's collectives and
-call line.
+it), so it costs one small message a step and, normally, no wait. When the ranks disagree, each raises
+`CollectiveDriftError`, which names the ranks whose sequence differs from the others' (the odd ones out), the
+step where the drift began, and each rank's collectives and call line.
 """
 
 from __future__ import annotations

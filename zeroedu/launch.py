@@ -295,7 +295,8 @@ class _Run:
             p.join(5)
 
     def _views(self, results: dict) -> list[_View]:
-        return [_View(r, self.slots.read(r), r in results, self.procs[r].exitcode) for r in range(self.world_size)]
+        return [_View(r, self.slots.read(r), r in results, self.procs[r].exitcode, self.procs[r].pid)
+                for r in range(self.world_size)]
 
     def _monitor(self) -> list:
         results: dict[int, bytes] = {}

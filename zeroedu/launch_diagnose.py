@@ -30,11 +30,13 @@ _P2P_OPS = {"send", "recv", "isend", "irecv"}  # point-to-point: ranks legitimat
 class _View:
     """One rank as the parent sees it: its slot and whether its process is alive or returned."""
 
-    def __init__(self, rank: int, state: dict | None, returned: bool, exitcode: int | None) -> None:
+    def __init__(self, rank: int, state: dict | None, returned: bool, exitcode: int | None,
+                 pid: int | None = None) -> None:
         self.rank = rank
         self.state = state
         self.returned = returned
         self.exitcode = exitcode
+        self.stopped = exitcode is None and pid is not None and _is_stopped(pid)
         self.waiting: tuple[str, int, str] | None = None
         if state is not None and state["s"].startswith("waiting|"):
             _, key, seq, sig = state["s"].split("|", 3)
@@ -48,6 +50,15 @@ class _View:
 
     def knows_all_groups(self) -> bool:
         return bool((self.state or {}).get("full", True))
+
+
+def _is_stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP, Ctrl-Z, a debugger): state T or t in /proc/PID/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 # torch.distributed's names for what zeroedu's comm layer calls all_gather and reduce_scatter
@@ -77,6 +88,13 @@ def _members(key: str, views: list[_View]) -> list[int]:
 
 
 def _describe(v: _View, now: float) -> str:
+    if v.stopped:   # what its slot says it was doing is true, but it is not doing it: it runs nothing at all
+        return ("stopped (SIGSTOP, Ctrl-Z or a debugger: process state T), so it runs nothing, not even its "
+                "collectives, until it gets SIGCONT; when it stopped it was " + _describe_slot(v, now))
+    return _describe_slot(v, now)
+
+
+def _describe_slot(v: _View, now: float) -> str:
     if v.state is None:
         text = "not started (its process has not reached zeroedu's rank entry point)"
     elif v.waiting:
@@ -360,9 +378,15 @@ def _collect_stacks(run_dir: str, procs: list, world_size: int) -> dict[int, str
     """Ask every live rank for its Python stack (faulthandler prints it on SIGUSR1) and read the files."""
     paths = {r: os.path.join(run_dir, f"rank{r}.stack") for r in range(world_size)}
     alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    stopped = [r for r in alive if _is_stopped(procs[r].pid)]
     for r in alive:
         try:
             os.kill(procs[r].pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    for r in stopped:   # a stopped rank handles SIGUSR1 only once continued: let it run for the dump, then stop it
+        try:
+            os.kill(procs[r].pid, signal.SIGCONT)
         except OSError:
             pass
     deadline = time.monotonic() + STACK_WAIT
@@ -370,6 +394,11 @@ def _collect_stacks(run_dir: str, procs: list, world_size: int) -> dict[int, str
                                                   else 0 for r in alive):
         time.sleep(0.02)
     time.sleep(0.05)  # let the last dump finish writing
+    for r in stopped:
+        try:
+            os.kill(procs[r].pid, signal.SIGSTOP)   # as it was: the report shows it stopped
+        except OSError:
+            pass
     return {r: _with_source(_trim_stack(_tail(paths[r], 400))) for r in range(world_size)}
 
 
