@@ -78,3 +78,40 @@ def _in_step(rank: int, world_size: int) -> None:
 
 def test_agreeing_ranks_train_on():
     assert launch(_in_step, 2) == [3, 3]
+
+
+class _HookError(Exception):
+    pass
+
+
+def _swallow_hook_error(rank: int, world_size: int, stage: int) -> int:
+    """Rank 1's backward hook raises at step 2; the training loop catches it and goes on."""
+    torch.manual_seed(0)
+    net = MLP()
+    state = {"step": 0}
+
+    def hook(grad):
+        if rank == 1 and state["step"] == 2:
+            raise _HookError("a learner's hook failed")
+        return grad
+
+    net.layers[1].weight.register_hook(hook)
+    engine, *_ = zeroedu.initialize(model=net, config=_config(stage, 2000))
+    for step in range(STEPS):
+        state["step"] = step
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(2 * world_size, 32, generator=g)[rank * 2:(rank + 1) * 2]
+        try:
+            engine.backward(engine(x).square().mean())
+        except _HookError:
+            pass   # swallowed: the run goes on
+        engine.step()
+    return STEPS
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_rank_that_swallows_an_exception_from_backward_is_named(stage):
+    with pytest.raises(LaunchError) as err:
+        launch(_swallow_hook_error, 2, args=(stage,), hang_timeout=60)
+    text = str(err.value)
+    assert "rank(s) 1 " in text and "raise part-way" in text, text

@@ -56,6 +56,9 @@ class Agreement:
         self.count = 0
         self.shown: list[str] = []
         self.backwards = 0       # engine.backward() calls since the last check
+        self.unfinished = 0      # ... of which raised part-way and training went on (the exception was caught)
+        self.unfinished_at: int | None = None   # the first optimizer step where one did (never reset)
+        self.in_backward = False
         self.accum = 1           # ... and how many a step should have (gradient_accumulation_steps)
         self.where = ""          # the line that called the engine's current backward() or step()
         self.checks = 0
@@ -69,7 +72,8 @@ class Agreement:
 
     def record(self) -> dict:
         """What this rank ran since its last check, for the launcher's error when gloo aborts."""
-        return {"c": self.checks, "n": self.count, "b": self.backwards, "acc": self.accum, "w": self.where,
+        return {"c": self.checks, "n": self.count, "b": self.backwards, "u": self.unfinished_at, "acc": self.accum,
+                "w": self.where,
                 "r": list(self.recent)}
 
     def note(self, sig: str) -> None:
@@ -88,7 +92,7 @@ class Agreement:
         self.where = where
         self.checks += 1
         summary = {"check": self.checks, "step": step, "n": self.count, "crc": self.crc,
-                   "backwards": self.backwards, "where": where, "sigs": self.shown}
+                   "backwards": self.backwards, "unfinished": self.unfinished, "where": where, "sigs": self.shown}
         data = json.dumps(summary, separators=(",", ":")).encode()[:_PAYLOAD]
         mine = torch.zeros(_PAYLOAD, dtype=torch.uint8)
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -98,7 +102,7 @@ class Agreement:
         gather = getattr(dist.all_gather, "__wrapped__", dist.all_gather)
         work = gather(outs, mine, group=self.group, async_op=True)
         self._pending.append((work, outs))
-        self.crc, self.count, self.shown, self.backwards = 0, 0, [], 0
+        self.crc, self.count, self.shown, self.backwards, self.unfinished = 0, 0, [], 0, 0
         self.recent.clear()
 
     def settle(self, wait: bool = True) -> None:
@@ -115,11 +119,19 @@ class Agreement:
                 raise CollectiveDriftError(drift_message(got, list(self.ranks)))
 
 
+UNFINISHED = ("An engine.backward() raised part-way (an exception in autograd or a backward hook) and the "
+              "exception was caught and training went on: that rank skipped the rest of that backward's collectives "
+              "while the others ran them. Let the exception end the run, or raise it on every rank.")
+
+
 def drift_message(got: list[dict], ranks: list[int]) -> str:
     """Say which ranks differ from the others, from when, and what each ran."""
     votes = Counter((g.get("n"), g.get("crc")) for g in got)
     top = votes.most_common()
-    if len(top) > 1 and top[0][1] == top[1][1]:   # no majority (two ranks): name whoever called backward() more
+    broken = [r for r, g in zip(ranks, got, strict=True) if g.get("unfinished")]
+    if broken and len(broken) < len(ranks):
+        odd = broken
+    elif len(top) > 1 and top[0][1] == top[1][1]:   # no majority (two ranks): name whoever called backward() more
         # or less often than step() allows, else every rank
         odd = [r for r, g in zip(ranks, got, strict=True) if g.get("backwards") != min(x.get("backwards", 0)
                                                                                         for x in got)]
@@ -133,9 +145,11 @@ def drift_message(got: list[dict], ranks: list[int]) -> str:
         more = g.get("n", 0) - len(g.get("sigs", []))
         lines.append(f"  rank {r}{' (differs)' if r in odd else ''}: optimizer step {g.get('step')} called at "
                      f"{g.get('where') or 'an unknown line'}; since the previous step it ran {g.get('backwards')} "
-                     f"backward() and {g.get('n')} collectives: {sigs}{f' (+{more} more)' if more > 0 else ''}")
+                     f"backward(){f' ({u} raised part-way)' if (u := g.get('unfinished')) else ''} and "
+                     f"{g.get('n')} collectives: {sigs}{f' (+{more} more)' if more > 0 else ''}")
     backs = {g.get("backwards") for g in got}
-    hint = ("The ranks called engine.backward() a different number of times between optimizer steps: a rank "
+    hint = (UNFINISHED if broken else
+            "The ranks called engine.backward() a different number of times between optimizer steps: a rank "
             "skipped engine.step() (or called it more often). Every rank must call backward() and step() the same "
             "number of times." if len(backs) > 1 else
             "Every rank must run the same collectives in the same order: the same model code path with the same "

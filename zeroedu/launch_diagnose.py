@@ -425,6 +425,12 @@ def _sequence_note(views: list[_View], failure: str) -> str:
 
 def _odd_ranks(recs: dict[int, dict]) -> tuple[list[int], str]:
     """The ranks whose record differs from the rest, and why; ([], "") when none can be named."""
+    from zeroedu.agreement import UNFINISHED
+
+    broken = [r for r, a in recs.items() if a.get("u") is not None]
+    if broken and len(broken) < len(recs):
+        at = min(recs[r]["u"] for r in broken)
+        return broken, f"had an engine.backward() raise part-way at optimizer step {at}. " + UNFINISHED
     over = [r for r, a in recs.items() if a["b"] > a.get("acc", 1)]
     if over and len(over) < len(recs):
         return over, ("called engine.backward() more often since its last engine.step() than "

@@ -90,6 +90,8 @@ class Stage0(Engine):
 
     def before_backward(self) -> None:
         if self.comm.agreement is not None:   # sent at the step's check: tells a skipped step() apart
+            self.note_unfinished_backward()
+            self.comm.agreement.in_backward = True
             self.comm.agreement.backwards += 1
             self.comm.agreement.where = caller_line()
         self._waiting = {b.index: len(b.params) for b in self.layout.buckets}
@@ -99,6 +101,7 @@ class Stage0(Engine):
 
     def step(self) -> None:
         if self.comm.agreement is not None:
+            self.note_unfinished_backward()
             self.comm.agreement.where = caller_line()   # shown if this step's collectives fail to match
         super().step()
 
@@ -133,7 +136,17 @@ class Stage0(Engine):
             self._reduced.add(b.index)
             self.post_backward(b)
 
+    def note_unfinished_backward(self) -> None:
+        """The previous backward never reached after_backward: it raised, and the caller went on."""
+        a = self.comm.agreement
+        if a.in_backward:
+            a.unfinished += 1
+            a.unfinished_at = a.checks + 1 if a.unfinished_at is None else a.unfinished_at
+            a.in_backward = False
+
     def after_backward(self) -> None:
+        if self.comm.agreement is not None:
+            self.comm.agreement.in_backward = False
         # Buckets with a parameter that got no gradient (unused in this forward on this rank) are reduced now, in
         # the same order on every rank, so that every rank runs the same collectives in the same order.
         if not self.reduces_this_micro_step():
