@@ -79,3 +79,37 @@ def test_a_stopped_rank_is_reported_stopped_with_its_stack():
     assert statuses[1].startswith("stopped (SIGSTOP"), statuses
     assert "running user code" in statuses[1]          # what its slot said when it stopped
     assert "_stops_itself" in stacks[1], stacks[1]      # its stack, fetched by letting it run for the dump
+
+
+def _noop(rank: int, world_size: int) -> int:
+    return rank
+
+
+def test_a_killed_launchers_multiprocessing_folder_is_removed_by_the_next_launch(tmp_path):
+    import subprocess
+    import tempfile
+    import time
+
+    script = tmp_path / "kernel.py"
+    script.write_text("import sys, time, zeroedu\n"
+                      "def sleeper(rank, world_size):\n"
+                      "    time.sleep(3600)\n"
+                      "if __name__ == '__main__':\n"
+                      "    zeroedu.launch(sleeper, 2, hang_timeout=None)\n")
+    kernel = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))})
+    mark = os.path.join(tempfile.gettempdir(), f"zeroedu-pymp-{kernel.pid}")
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(mark):
+            assert time.monotonic() < deadline and kernel.poll() is None, "the launcher did not start"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        folder = open(mark).read().split("\n", 1)[1]
+        assert os.path.basename(folder).startswith("pymp-") and os.path.isdir(folder)
+    finally:
+        kernel.kill()   # SIGKILL: multiprocessing's own cleanup never runs
+        kernel.wait()
+    assert os.path.isdir(folder)   # left behind, as the probe found
+    assert launch(_noop, 2) == [0, 1]
+    assert not os.path.exists(folder) and not os.path.exists(mark)

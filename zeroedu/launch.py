@@ -61,7 +61,13 @@ from zeroedu.launch_diagnose import (
     _where_text,
 )
 from zeroedu.launch_rank import KILL_GRACE, _dumps, _loopback_interface, _main_without_a_file, _mp_context, _rank_main
-from zeroedu.launch_rundir import _RUN_DIR_PREFIX, _process_identity, _remove_stale_run_dirs
+from zeroedu.launch_rundir import (
+    _RUN_DIR_PREFIX,
+    _note_forkserver_dir,
+    _process_identity,
+    _remove_stale_forkserver_dirs,
+    _remove_stale_run_dirs,
+)
 from zeroedu.launch_status import _Slots, in_launched_rank, rank_context, report_status
 from zeroedu.launch_status import next_collective as next_collective  # zeroedu.comm imports it from here
 from zeroedu.sysinfo import available_memory
@@ -225,6 +231,8 @@ class _Run:
 
     def run(self) -> list:
         _remove_stale_run_dirs()
+        _remove_stale_forkserver_dirs()
+        _note_forkserver_dir()
         with _StopSignals():
             return self._run()
 
