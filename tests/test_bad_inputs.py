@@ -31,6 +31,7 @@ NO_TRAINABLE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_model_without_trainable_parameters_is_named(stage):
     cases = "\n".join(

@@ -81,6 +81,7 @@ def saved(engine, tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CRAFTED))
 def test_crafted_metadata_is_refused_before_anything_is_allocated_or_written(engine, saved, tmp_path, case):
     d = tmp_path / "ck"
@@ -102,6 +103,7 @@ def test_crafted_metadata_is_refused_before_anything_is_allocated_or_written(eng
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_consolidate_into_a_read_only_folder_says_so(saved, tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()

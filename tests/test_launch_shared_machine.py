@@ -8,6 +8,7 @@ import stat
 import sys
 
 import cloudpickle
+import pytest
 import torch.distributed as dist
 
 from zeroedu.launch import launch
@@ -69,8 +70,6 @@ def _stops_itself(rank: int, world_size: int) -> None:
 
 
 def test_a_stopped_rank_is_reported_stopped_with_its_stack():
-    import pytest
-
     from zeroedu.launch import RankHangError
 
     with pytest.raises(RankHangError) as err:
@@ -85,6 +84,7 @@ def _noop(rank: int, world_size: int) -> int:
     return rank
 
 
+@pytest.mark.slow
 def test_a_killed_launchers_multiprocessing_folder_is_removed_by_the_next_launch(tmp_path):
     import subprocess
     import tempfile
