@@ -67,6 +67,7 @@ from zeroedu.checkpoint_format import (
     METADATA,
     CheckpointError,
     _check_file,
+    _check_size,
     _check_tag,
     _Layout,
     _open_shard,
@@ -378,6 +379,9 @@ def consolidate(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.
     path = resolve(checkpoint_dir, tag)
     meta = read_metadata(path)
     src = _Layout.of(meta)
+    for info in meta["files"]:   # the files hold what the metadata says, before anything that size is allocated
+        if os.path.exists(f := os.path.join(path, info["name"])):
+            _check_size(f, info)
     flat = {p["name"]: torch.zeros(int(np.prod(p["shape"], dtype=np.int64)), dtype=torch.float32)
             for p in meta["parameters"]}
     plan: dict[int, list] = {r: [] for r in range(src.world_size)}

@@ -167,17 +167,15 @@ def _check_fields(meta: dict, path: str) -> None:
     if not isinstance(extras, list) or not all(isinstance(e, dict) and isinstance(e.get("name"), str) and
                                                isinstance(e.get("shape"), list) for e in extras):
         refuse("extras is not a list of {name, shape, dtype}")
-    # What load and consolidate allocate must be in the files: each shard holds shard_numel fp32 elements per
-    # state (the master weights and each optimizer state). A file smaller than that on disk is refused here,
-    # before anything that size is allocated (its sha256 is checked when it is opened).
+    # What consolidate allocates must be in the files: each shard holds shard_numel fp32 elements per state (the
+    # master weights and each optimizer state); consolidate compares the recorded sizes with the files on disk
+    # before allocating (load allocates only what the engine's own model needs, after checking the model).
     need = meta["shard_numel"] * 4 * (1 + len(opt["state_keys"]))
     for info in files:
         if info["bytes"] < need:
             refuse(f"shard {info['name']} is recorded as {info['bytes']} bytes, less than the {need} bytes of "
                    "tensors the layout says it holds")
-        shard_file = os.path.join(path, info["name"])
-        if os.path.exists(shard_file):
-            _check_size(shard_file, info)
+
 
 
 # -- the files ------------------------------------------------------------------------------------------------
