@@ -44,6 +44,18 @@ AUTO_ON_GLOO = {"all_reduce": "native", "reduce_scatter": "direct", "all_gather"
 _BUCKET = threading.local()   # .index: the bucket whose collectives this thread is running (Comm.for_bucket)
 
 
+_AGREEMENT_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+def _agreement_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """The gloo group the agreement checks run on: one per set of ranks and default group, shared by every engine
+    of the process (a group per engine would hold sockets and threads for each engine a notebook ever made)."""
+    key = (id(dist.distributed_c10d._get_default_group()), ranks)
+    if key not in _AGREEMENT_GROUPS:
+        _AGREEMENT_GROUPS[key] = dist.new_group(list(ranks), backend="gloo")
+    return _AGREEMENT_GROUPS[key]
+
+
 def _group_seq(key: str) -> int | None:
     """The group's collective count shared with torch.distributed's own calls (zeroedu.launch), or None."""
     try:
@@ -95,8 +107,7 @@ class Comm:
         """Check at every optimizer step (agree()) that every rank ran the same collectives (zeroedu.agreement).
         Every rank of the group calls it, once, in the same order (it makes a process group)."""
         if self.agreement is None:
-            group = dist.new_group(list(self.ranks), backend="gloo") if self.world_size > 1 else None
-            self.agreement = Agreement(self.ranks, group)
+            self.agreement = Agreement(self.ranks, _agreement_group(self.ranks) if self.world_size > 1 else None)
 
     def agree(self, step: int, where: str) -> None:
         """One optimizer step's check: raises CollectiveDriftError if the previous step's showed a drift."""
