@@ -460,7 +460,8 @@ def corrupt(src: str, dst: str, how: str, other: str) -> str:
         os.remove(os.path.join(d, "metadata.json"))
     elif how == "unsafe pickle":   # a file that only full unpickling could load, with hashes made to match
         f = os.path.join(d, "rank0.pt")
-        torch.save({"format": "zeroedu-checkpoint", "payload": argparse.Namespace(x=1)}, f)
+        pad = bytes(os.path.getsize(f))   # as large as the real shard: the metadata's size checks pass
+        torch.save({"format": "zeroedu-checkpoint", "payload": argparse.Namespace(x=1), "pad": pad}, f)
         meta = json.load(open(os.path.join(d, "metadata.json")))
         meta["files"][0].update(bytes=os.path.getsize(f), sha256=hashlib.sha256(open(f, "rb").read()).hexdigest())
         body = {k: v for k, v in meta.items() if k != "metadata_sha256"}

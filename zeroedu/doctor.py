@@ -380,7 +380,9 @@ def check_loopback(host: str = "127.0.0.1", timeout: float = 5.0) -> Result:
     ms = (time.perf_counter() - t0) * 1000
     if answer != b"ping":
         return Result("loopback", FAIL, f"store on {host}:{port} returned {answer!r} instead of b'ping'", fix)
-    return Result("loopback", OK, f"rendezvous store on {host}:{port}: set/get in {ms:.0f} ms",
+    return Result("loopback", OK, f"TCP store on {host}:{port}: set/get in {ms:.0f} ms (gloo connects over loopback; "
+                  "launch()'s ranks rendezvous through a FileStore in their 0700 run folder, which no other user can "
+                  "open)",
                   data={"host": host, "port": port, "ms": round(ms, 1)})
 
 

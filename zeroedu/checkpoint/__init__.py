@@ -49,6 +49,7 @@ runs a save and a load on every rank, and consolidates.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import shutil
@@ -65,6 +66,7 @@ from zeroedu.checkpoint.fileformat import (
     METADATA,
     CheckpointError,
     _check_file,
+    _check_size,
     _check_tag,
     _Layout,
     _open_shard,
@@ -171,6 +173,41 @@ def _save_tag(engine, tag: str | None, client_state: dict | None) -> str:
     return tag
 
 
+def _check_client_state(client_state: dict) -> None:
+    """Refuse, naming the key, a client_state that load could not read back: load_checkpoint reads every shard
+    with torch.load(weights_only=True), which refuses numpy values and arbitrary objects, so saving one would
+    make the whole checkpoint unloadable."""
+    bad = _unloadable(client_state, "client_state")
+    if bad:
+        where, value = bad
+        raise CheckpointError(
+            f"{where} is {type(value).__module__}.{type(value).__qualname__} {value!r:.60}, which "
+            "load_checkpoint could not read back (it loads with torch.load(weights_only=True)), so the checkpoint "
+            "would not load. Store plain Python values or tensors: int(x) or x.item() for a numpy scalar, "
+            "torch.from_numpy(a) or a.tolist() for an array.")
+
+
+def _unloadable(obj: Any, where: str) -> tuple[str, Any] | None:
+    """(path, value) of the first part of obj that torch.load(weights_only=True) refuses, or None."""
+    buf = io.BytesIO()
+    try:
+        torch.save(obj, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+        return None
+    except Exception:
+        pass
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list | tuple) else ()
+    for key, value in items:
+        found = _unloadable(value, f"{where}[{key!r}]")
+        if found:
+            return found
+    if isinstance(obj, dict) and any(_unloadable(k, where) for k in obj):
+        key = next(k for k in obj if _unloadable(k, where))
+        return f"a key of {where}", key
+    return where, obj
+
+
 def _make_partial(save_dir: str, partial: str) -> str | None:
     """Rank 0: an empty DIR/.TAG.partial for the ranks to write into; the error text if it cannot be made."""
     try:
@@ -186,6 +223,8 @@ def _write_shard(engine, partial: str, client_state: dict | None) -> tuple[dict,
     """Write this rank's rank{r}.pt into `partial`. Returns its entry for the metadata's file list, and what the
     metadata needs besides: the per-element optimizer state keys, the scalar state, the buffers (rank 0)."""
     rank = engine.rank
+    if client_state:   # here, so that every rank hears of it (a rank's client_state is its own)
+        _check_client_state(client_state)
     master = _master(engine)
     states = _optimizer_state(engine)
     elem, scalars = _split_state(states, master)
@@ -342,6 +381,9 @@ def consolidate(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.
     path = resolve(checkpoint_dir, tag)
     meta = read_metadata(path)
     src = _Layout.of(meta)
+    for info in meta["files"]:   # the files hold what the metadata says, before anything that size is allocated
+        if os.path.exists(f := os.path.join(path, info["name"])):
+            _check_size(f, info)
     flat = {p["name"]: torch.zeros(int(np.prod(p["shape"], dtype=np.int64)), dtype=torch.float32)
             for p in meta["parameters"]}
     plan: dict[int, list] = {r: [] for r in range(src.world_size)}
@@ -378,7 +420,13 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"zeroedu consolidate: error: {e}", file=sys.stderr)
         return 1
-    _write_atomic(args.output, lambda fh: torch.save(sd, fh))
+    try:
+        _write_atomic(args.output, lambda fh: torch.save(sd, fh))
+    except (OSError, CheckpointError) as e:   # a read-only folder, a missing parent folder, a full disk
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        print(f"zeroedu consolidate: error: cannot write {args.output}: {why}. Nothing was written; give a path "
+              "in a folder you can write to.", file=sys.stderr)
+        return 1
     print(f"wrote {args.output}: {len(sd)} tensors, {meta['numel']:,} parameters in fp32 "
           f"({os.path.getsize(args.output):,} bytes), from stage {meta['stage']} on {meta['world_size']} rank(s) "
           f"at global step {meta['global_step']}")

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 import torch
 
@@ -84,7 +86,96 @@ def read_metadata(path: str) -> dict:
         raise CheckpointError(f"{f}: \"files\" is not a list of shard entries: the metadata was crafted or damaged")
     for info in files:
         _shard_path(path, info)   # every path checked before any shard is opened
+    _check_fields(meta, path)
     return meta
+
+
+def _int(x: Any, lo: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= lo
+
+
+def _strs(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(v, str) for v in x)
+
+
+def _check_fields(meta: dict, path: str) -> None:
+    """Every field that load and consolidate use, checked for type and against the others and the shards' sizes,
+    before anything is allocated. A metadata.json whose self-hash was recomputed after an edit is as readable as
+    a saved one, so a crafted world_size 0, a missing field or a 40 GB shape must be refused here, by name, not
+    found as a ZeroDivisionError, a KeyError, an empty consolidated file or an allocation."""
+    f = os.path.join(path, METADATA)
+
+    def refuse(what: str) -> NoReturn:
+        raise CheckpointError(f"{f}: {what}. The metadata was crafted or damaged (its hash only shows it was not "
+                              "edited by accident); use a checkpoint as zeroedu saved it.")
+
+    ws, files = meta.get("world_size"), meta["files"]
+    if not _int(ws, 1):
+        refuse(f"world_size is {ws!r}, not an int >= 1")
+    if len(files) != ws:
+        refuse(f"it lists {len(files)} shard file(s) for world_size {ws}")
+    for r, info in enumerate(files):
+        if info.get("rank") != r or not _int(info.get("bytes")) or not isinstance(info.get("sha256"), str):
+            refuse(f"shard entry {r} is {info!r:.100}, not {{name, rank: {r}, bytes, sha256}}")
+    for key in ("stage", "global_step", "micro_step", "skipped_steps", "numel", "full_numel", "shard_numel"):
+        if not _int(meta.get(key)):
+            refuse(f"{key} is {meta.get(key)!r}, not an int >= 0")
+    if meta["stage"] > 3 or not _int(meta.get("gradient_accumulation_steps"), 1):
+        refuse(f"stage {meta['stage']} / gradient_accumulation_steps {meta.get('gradient_accumulation_steps')!r} "
+               "are out of range")
+    opt = meta.get("optimizer")
+    if not isinstance(opt, dict) or not isinstance(opt.get("type"), str) or not _strs(opt.get("state_keys")):
+        refuse("optimizer is not {type, state_keys}")
+    if meta.get("precision") not in ("fp32", "bf16", "fp16") or not isinstance(meta.get("loss_scaler"), dict):
+        refuse(f"precision {meta.get('precision')!r} or loss_scaler is not what zeroedu writes")
+    if meta["precision"] == "fp16" and not all(isinstance(meta["loss_scaler"].get(k), int | float) for k in
+                                               ("scale", "hysteresis_left", "clean_steps")):
+        refuse("loss_scaler lacks scale, hysteresis_left or clean_steps")
+    if meta.get("lr_scheduler") is not None and not isinstance(meta["lr_scheduler"], dict):
+        refuse("lr_scheduler is not a dict")
+    # The layout: buckets back to back, each padded to a multiple of world_size, the shard their pieces.
+    buckets, start, shard = meta.get("buckets"), 0, 0
+    if not isinstance(buckets, list) or not buckets:
+        refuse("buckets is not a non-empty list")
+    for i, b in enumerate(buckets):
+        if not isinstance(b, dict) or not all(_int(b.get(k)) for k in ("numel", "padded", "start", "shard_start")) \
+                or b["padded"] % ws or b["numel"] > b["padded"] or b["start"] != start or b["shard_start"] != shard:
+            refuse(f"bucket {i} is {b!r:.100}: not where the buckets before it end, or not padded to a multiple of "
+                   f"world_size {ws}")
+        start, shard = start + b["padded"], shard + b["padded"] // ws
+    if meta["shard_numel"] != shard or meta["full_numel"] != start:
+        refuse(f"shard_numel {meta['shard_numel']} / full_numel {meta['full_numel']} do not add up from the buckets "
+               f"({shard} / {start})")
+    params, names, numel = meta.get("parameters"), set(), 0
+    if not isinstance(params, list) or not params:
+        refuse("parameters is not a non-empty list")
+    for p in params:
+        ok = isinstance(p, dict) and isinstance(p.get("name"), str) and p["name"] not in names and \
+            isinstance(p.get("shape"), list) and all(_int(d) for d in p["shape"]) and _strs(p.get("aliases")) and \
+            _int(p.get("bucket")) and p["bucket"] < len(buckets) and _int(p.get("offset"))
+        n = math.prod(p["shape"]) if ok else 0
+        if not ok or p["offset"] + n > buckets[p["bucket"]]["numel"]:
+            refuse(f"parameter entry {p!r:.120} does not fit the buckets")
+        names.update([p["name"], *p["aliases"]])
+        numel += n
+    if numel != meta["numel"]:
+        refuse(f"the parameters hold {numel} elements, numel says {meta['numel']}")
+    keys = meta.get("state_dict_keys")
+    if not _strs(keys) or not names <= set(keys):
+        refuse(f"state_dict_keys does not list every parameter (missing: {sorted(names - set(keys or []))[:3]})")
+    extras = meta.get("extras")
+    if not isinstance(extras, list) or not all(isinstance(e, dict) and isinstance(e.get("name"), str) and
+                                               isinstance(e.get("shape"), list) for e in extras):
+        refuse("extras is not a list of {name, shape, dtype}")
+    # What consolidate allocates must be in the files: each shard holds shard_numel fp32 elements per state (the
+    # master weights and each optimizer state); consolidate compares the recorded sizes with the files on disk
+    # before allocating (load allocates only what the engine's own model needs, after checking the model).
+    need = meta["shard_numel"] * 4 * (1 + len(opt["state_keys"]))
+    for info in files:
+        if info["bytes"] < need:
+            refuse(f"shard {info['name']} is recorded as {info['bytes']} bytes, less than the {need} bytes of "
+                   "tensors the layout says it holds")
+
 
 
 # -- the files ------------------------------------------------------------------------------------------------
@@ -114,12 +205,8 @@ def _shard_path(path: str, info: dict) -> str:
     return f
 
 
-def _check_file(path: str, info: dict) -> str:
-    """The file exists and has the size and sha256 that the metadata recorded; returns its path."""
-    f = _shard_path(path, info)
-    if not os.path.exists(f):
-        raise CheckpointError(f"{f} is missing: {METADATA} lists it (rank {info['rank']}'s shard), so the "
-                              "checkpoint is incomplete. Copy the whole checkpoint directory.")
+def _check_size(f: str, info: dict) -> None:
+    """The file has the size the metadata recorded (a stat: checked before anything that size is allocated)."""
     size = os.path.getsize(f)
     if size < info["bytes"]:
         raise CheckpointError(f"{f} is truncated: {size} bytes, {METADATA} says {info['bytes']}. The copy or the "
@@ -127,6 +214,15 @@ def _check_file(path: str, info: dict) -> str:
     if size > info["bytes"]:
         raise CheckpointError(f"{f} is larger than {METADATA} says ({size} bytes, not {info['bytes']}): it was "
                               f"overwritten, or {METADATA} comes from another checkpoint.")
+
+
+def _check_file(path: str, info: dict) -> str:
+    """The file exists and has the size and sha256 that the metadata recorded; returns its path."""
+    f = _shard_path(path, info)
+    if not os.path.exists(f):
+        raise CheckpointError(f"{f} is missing: {METADATA} lists it (rank {info['rank']}'s shard), so the "
+                              "checkpoint is incomplete. Copy the whole checkpoint directory.")
+    _check_size(f, info)
     digest = _sha256(f)
     if digest != info["sha256"]:
         raise CheckpointError(f"{f} was modified or corrupted after it was saved: its sha256 is {digest[:16]}..., "

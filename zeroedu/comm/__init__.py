@@ -22,6 +22,7 @@ public names are importable from here too.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -29,6 +30,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from zeroedu.comm.agreement import Agreement
 from zeroedu.comm.collectives import (
     ALGORITHMS,
     ALL_GATHER_SINGLE,
@@ -45,6 +47,21 @@ __all__ = ["ALL_GATHER_SINGLE", "AUTO_ON_GLOO", "REDUCE_SCATTER_SINGLE", "Comm",
 # "auto" on gloo, per op: the fastest of the implementations that count their sent bytes (gloo's reduce-scatter is
 # an all-reduce plus a slice); the measurements: docs/benchmarks.md, "Measurements behind the code".
 AUTO_ON_GLOO = {"all_reduce": "native", "reduce_scatter": "direct", "all_gather": "direct"}
+
+
+_BUCKET = threading.local()   # .index: the bucket whose collectives this thread is running (Comm.for_bucket)
+
+
+_AGREEMENT_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+def _agreement_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """The gloo group the agreement checks run on: one per set of ranks and default group, shared by every engine
+    of the process (a group per engine would hold sockets and threads for each engine a notebook ever made)."""
+    key = (id(dist.distributed_c10d._get_default_group()), ranks)
+    if key not in _AGREEMENT_GROUPS:
+        _AGREEMENT_GROUPS[key] = dist.new_group(list(ranks), backend="gloo")
+    return _AGREEMENT_GROUPS[key]
 
 
 def _group_seq(key: str) -> int | None:
@@ -92,6 +109,30 @@ class Comm:
         self._seq = 0
         self.last: str | None = None   # the last collective this rank entered (for hang reports)
         self.rounds = 0                # times this rank met its peers: a collective, or several run together()
+        self.agreement: Agreement | None = None   # the per-step check that every rank ran the same collectives
+
+    def start_agreement(self) -> None:
+        """Check at every optimizer step (agree()) that every rank ran the same collectives (zeroedu.comm.agreement).
+        Every rank of the group calls it, once, in the same order (it makes a process group)."""
+        if self.agreement is None:
+            self.agreement = Agreement(self.ranks, _agreement_group(self.ranks) if self.world_size > 1 else None)
+
+    def agree(self, step: int, where: str) -> None:
+        """One optimizer step's check: raises CollectiveDriftError if the previous step's showed a drift."""
+        if self.agreement is not None:
+            self.agreement.check(step, where)
+
+    @staticmethod
+    @contextmanager
+    def for_bucket(index: int):
+        """The collectives this thread starts inside belong to bucket `index`: part of what the ranks agree on, so
+        two equal-size buckets reduced in different orders on two ranks are told apart."""
+        old = getattr(_BUCKET, "index", None)
+        _BUCKET.index = index
+        try:
+            yield
+        finally:
+            _BUCKET.index = old
 
     # -- context ----------------------------------------------------------------------------------------
     @contextmanager
@@ -197,8 +238,8 @@ class Comm:
                     self.reduce_scatter_coalesced(outs, ins, average, kind)
             return
         src = self.parent or self
-        phase, step = src.phase, src.step
-        worker().run(lambda: self._call_together(calls, phase, step))
+        phase, step, bucket = src.phase, src.step, getattr(_BUCKET, "index", None)
+        worker().run(lambda: self._call_together(calls, phase, step, bucket))
 
     def packs_nothing(self, op: str) -> bool:
         """Does a coalesced `op` run without packing (no buffer the size of all its tensors)? Yes where it runs
@@ -215,6 +256,7 @@ class Comm:
              **kw) -> Handle | None:
         src = self.parent or self
         phase, step = src.phase, src.step
+        kw["bucket"] = getattr(_BUCKET, "index", None)
         if async_op and self.world_size > 1 and self._implementation(op) == "native" and worker().idle():
             # torch.distributed runs it on its own threads: no hand-off to ours. Nothing is queued there, so
             # the collectives still start in the order they were asked for.
@@ -230,13 +272,16 @@ class Comm:
             return "native"
         return AUTO_ON_GLOO.get(op, "native") if self.implementation == "auto" else self.implementation
 
-    def _begin(self, op: str, a, b, phase: str) -> tuple:
+    def _begin(self, op: str, a, b, phase: str, kind: str = "", bucket: int | None = None) -> tuple:
         """Number the collective, say what this rank waits in (hang reports), and start its clocks."""
         self._seq += 1
         full = b if op == "reduce_scatter" else a  # the "S" of the ring formulas (a list: a coalesced collective)
         outs = a if isinstance(a, list) else [a]
         numel = sum(t.numel() for t in full) if isinstance(full, list) else full.numel()
         sig = f"{op} {str(outs[0].dtype).removeprefix('torch.')}[{numel}] ({phase})"
+        agreement = (self.parent or self).agreement
+        if agreement is not None:
+            agreement.note(f"{sig} {kind}" if bucket is None else f"{sig} {kind} bucket {bucket}")
         self.last = f"#{self._seq} {sig}"
         shown = _group_seq(self.name) or self._seq   # in a launched rank: the group's count, raw calls included
         _report(f"waiting|{self.name}|{shown}|{sig}")
@@ -256,8 +301,8 @@ class Comm:
 
     @torch.no_grad()
     def _call(self, op: str, a: torch.Tensor, b: torch.Tensor | None, kind: str, phase: str, step: int,
-              native_async: bool = False, **kw) -> Handle | None:
-        started = self._begin(op, a, b, phase)
+              native_async: bool = False, bucket: int | None = None, **kw) -> Handle | None:
+        started = self._begin(op, a, b, phase, kind, bucket)
         self.rounds += 1
         impl, work = self._implementation(op), None
         # Averaging: an all-reduce divides its input first (as DDP does: the division overlaps the transfer
@@ -284,8 +329,8 @@ class Comm:
         return None
 
     @torch.no_grad()
-    def _call_together(self, calls: list[tuple], phase: str, step: int) -> None:
-        started = [self._begin(op, outs, ins, phase) for op, outs, ins, *_ in calls]
+    def _call_together(self, calls: list[tuple], phase: str, step: int, bucket: int | None = None) -> None:
+        started = [self._begin(op, outs, ins, phase, kind, bucket) for op, outs, ins, kind, _ in calls]
         self.rounds += 1
         sent = direct_together(self, [(op, outs, ins) for op, outs, ins, *_ in calls])
         for (op, _, _, kind, average), st, nbytes in zip(calls, started, sent, strict=True):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -20,6 +21,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from zeroedu.comm import Comm, Handle
+from zeroedu.comm.agreement import caller_line
 from zeroedu.comm.worker import worker
 from zeroedu.config import Config
 from zeroedu.engine.facade import DeepSpeedFacade, half_inputs
@@ -119,6 +121,7 @@ class Engine(DeepSpeedFacade):
         self.step_report = StepReport(self.timeline, self.comm.ledger)
         self._loss_sum: torch.Tensor | None = None
         self.last_loss: float | None = None
+        self._warned: set[str] = set()     # warn_if_stuck / warn_if_diverged: each said once
 
         # Where the model computes: the rank's GPU under NCCL (zeroedu.launch and torchrun set the current
         # device), else where its parameters already are (the CPU under gloo). Every buffer a stage makes
@@ -128,6 +131,14 @@ class Engine(DeepSpeedFacade):
             raise ValueError(f"this model was built inside zeroedu.zero.Init, so its parameters are partitioned: "
                              f"train it at ZeRO stage 3 (the config asks for stage {self.stage}), or build it "
                              f"without Init.")
+        wide = sorted({n for n, p in model.named_parameters() if p.dtype == torch.float64})
+        if wide and self.dtype == torch.float32:
+            # DeepSpeed 0.19.8 keeps a float64 model in float64 without fp16/bf16 (engine.py casts only for those);
+            # zeroedu computes in fp32 there, so a silent cast would train a different model than it would.
+            raise ValueError(f"{len(wide)} parameters are float64 ({', '.join(wide[:3])}"
+                             f"{', ...' if len(wide) > 3 else ''}); zeroedu trains in fp32 (or bf16/fp16 if the "
+                             "config enables them) and would cast them. Call model.float() before initialize() to "
+                             "train in fp32, or enable bf16 for mixed precision.")
         model.to(device=self.device, dtype=self.dtype)
         # Parameters that train, each once (a tied weight is one Parameter in two modules).
         self.params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
@@ -307,6 +318,7 @@ class Engine(DeepSpeedFacade):
             overflow = norm is not None and not math.isfinite(norm)
             if overflow:
                 self.skipped_steps += 1
+                self.warn_if_stuck()
                 self.comm.ledger.note("skipped_step", "step", "scalar", self.global_step, None,
                                       group=self.comm.ranks, sent_bytes=0, impl="-")
             else:
@@ -320,12 +332,46 @@ class Engine(DeepSpeedFacade):
             self.scaler.update(overflow)
             self.zero_grads()
             self.wait()
+            # Did every rank run the same collectives since the last step? (zeroedu.comm.agreement; one small message)
+            self.comm.agree(self.global_step + 1, caller_line())
         self.global_step += 1
         self.comm.step = self.global_step
         if self.config.steps_per_print and self._loss_sum is not None:   # float(): a device sync, only when printed
             self.last_loss = float(self._loss_sum) / self.accum
+        self.warn_if_diverged()
         self._loss_sum = None
         self.report_step()
+
+    # Runs that can no longer train say so at the step where it began, once (issue 36: a static loss scale of 1e300
+    # skipped every step, and lr 1e30 trained into NaN, without a word).
+    def warn_if_stuck(self) -> None:
+        """A skipped step with a loss scale that cannot go lower: every later step will overflow and skip too."""
+        if self.scaler.dynamic and self.scaler.scale > self.scaler.min_scale or "stuck" in self._warned:
+            return
+        self._warned.add("stuck")
+        why = ("the static fp16.loss_scale" if not self.scaler.dynamic else
+               f"fp16.min_loss_scale ({self.scaler.min_scale:g}), the lowest the dynamic scale may go")
+        self.warn(f"optimizer step {self.global_step + 1} was skipped: the gradients overflowed (their norm is "
+                  f"{self.last_grad_norm}) with a loss scale of {self.scaler.scale:g}, {why}, so the same will "
+                  f"happen at every step and the model will not train. Use a dynamic scale (fp16.loss_scale 0), "
+                  f"a lower static one, or bf16.")
+
+    def warn_if_diverged(self) -> None:
+        """The loss turned inf or nan at this step (checked where reading it costs no device sync: on the CPU,
+        or on a step whose loss is printed)."""
+        if self._loss_sum is None or "diverged" in self._warned or (
+                self.device.type != "cpu" and not self.config.steps_per_print):
+            return
+        if not bool(torch.isfinite(self._loss_sum)):
+            self._warned.add("diverged")
+            self.warn(f"the loss is {float(self._loss_sum)} at optimizer step {self.global_step} (the first step "
+                      f"whose loss is not finite): training diverged, and every later step computes on inf/nan "
+                      f"weights. The learning rate is {self.get_lr()}; lower it, "
+                      f"add gradient_clipping, or check the data.")
+
+    def warn(self, text: str) -> None:
+        warnings.warn(f"zeroedu: {text}", RuntimeWarning, stacklevel=3)
+        self.log(f"zeroedu warning: {text}")
 
     def global_grad_norm(self, grads: list[torch.Tensor]) -> float:
         """The L2 norm of the whole (unscaled) gradient: the pieces here, summed over ranks if sharded."""

@@ -12,8 +12,9 @@ Why it is built this way:
   spends ~2 s importing torch, which "spawn" pays for every rank of every launch; the forkserver pays it once
   per notebook kernel. The forkserver is a fresh single-threaded process, so the kernel itself (threads, CUDA)
   is never forked.
-- The rendezvous store lives in the parent, on a socket the parent bound to 127.0.0.1 itself: nothing listens
-  beyond loopback and there is no race for a free port. Gloo is pinned to the loopback interface too.
+- The ranks rendezvous through a FileStore in the run's folder, which only this user can open (0700): on a shared
+  machine no other local user can join or write to it, as they could to a TCP store on loopback. Gloo's own
+  connections are pinned to the loopback interface.
 - Each rank writes what it is doing into a small shared-memory slot (`report_status`, called by the comm layer
   around every collective). The parent watches the slots and turns mismatched collectives and hangs into errors
   that name the ranks, with every rank's Python stack (faulthandler), instead of a notebook cell that never ends.
@@ -26,6 +27,7 @@ errors, the checks before anything starts, the parent that starts, watches and s
 
 from __future__ import annotations
 
+import operator
 import os
 import shutil
 import signal
@@ -53,13 +55,20 @@ from zeroedu.launch.diagnose import (
     _mismatch_message,
     _not_joined_message,
     _raised_message,
+    _sequence_note,
     _stuck_message,
     _timeout_message,
     _View,
     _where_text,
 )
 from zeroedu.launch.rank import KILL_GRACE, _dumps, _loopback_interface, _main_without_a_file, _mp_context, _rank_main
-from zeroedu.launch.rundir import _RUN_DIR_PREFIX, _process_identity, _remove_stale_run_dirs
+from zeroedu.launch.rundir import (
+    _RUN_DIR_PREFIX,
+    _note_forkserver_dir,
+    _process_identity,
+    _remove_stale_forkserver_dirs,
+    _remove_stale_run_dirs,
+)
 from zeroedu.launch.status import _Slots, in_launched_rank, rank_context, report_status
 from zeroedu.launch.status import next_collective as next_collective  # zeroedu.comm imports it from here
 from zeroedu.sysinfo import available_memory
@@ -119,9 +128,15 @@ class LaunchTimeoutError(RankHangError):
 
 # -- checks before anything starts ---------------------------------------------------------------------------
 
-def _check_world_size(world_size: Any) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+def _check_world_size(world_size: Any) -> int:
+    """world_size as an int: any integer type (numpy's too, through __index__), never a bool or a float."""
+    try:
+        n = operator.index(world_size)
+    except TypeError:
+        n = None
+    if isinstance(world_size, bool) or n is None or n < 1:
         raise ValueError(f"world_size must be an int >= 1 (the number of ranks), got {world_size!r}")
+    return n
 
 
 def _gpus() -> int:
@@ -217,6 +232,8 @@ class _Run:
 
     def run(self) -> list:
         _remove_stale_run_dirs()
+        _remove_stale_forkserver_dirs()
+        _note_forkserver_dir()
         with _StopSignals():
             return self._run()
 
@@ -227,13 +244,11 @@ class _Run:
         try:
             with open(os.path.join(self.dir, "owner"), "w") as f:   # for the next launch, should this one be killed
                 f.write(_process_identity(os.getpid()))
+            # The ranks meet through a FileStore in self.dir (0700: launch_rank.rendezvous_store), not a TCP store
+            # that any local user could write to. The port, bound and held here but not listening, is only what
+            # MASTER_PORT says in the ranks, for code that reads it.
             sock.bind(("127.0.0.1", 0))
-            sock.listen(self.world_size + 8)
             port = sock.getsockname()[1]
-            # The rendezvous store, on the socket bound above: loopback only, and the port is already ours.
-            # The store takes ownership of the file descriptor and closes it: detach it from `sock`.
-            self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                                       master_listen_fd=sock.detach())
             self.slots = slots = _Slots(os.path.join(self.dir, "status"), self.world_size, create=True)
             self._start(port)
             return self._monitor()
@@ -289,7 +304,8 @@ class _Run:
             p.join(5)
 
     def _views(self, results: dict) -> list[_View]:
-        return [_View(r, self.slots.read(r), r in results, self.procs[r].exitcode) for r in range(self.world_size)]
+        return [_View(r, self.slots.read(r), r in results, self.procs[r].exitcode, self.procs[r].pid)
+                for r in range(self.world_size)]
 
     def _monitor(self) -> list:
         results: dict[int, bytes] = {}
@@ -342,12 +358,15 @@ class _Run:
     # -- failures (the texts: zeroedu.launch_diagnose) --
     def _rank_error(self, rank: int, exc_type: str, exc_msg: str, tb: str) -> RankError:
         msg, tb = _raised_message(self.dir, self.world_size, rank, exc_type, exc_msg, tb)
+        if exc_type != "CollectiveDriftError":   # that one names the ranks already
+            msg += _sequence_note(self._views({}), msg)
         return RankError(msg, rank, tb)
 
     def _died_error(self, rank: int) -> RankError:
         code = self.procs[rank].exitcode
         state = self.slots.read(rank)
         msg = _died_message(self.dir, self.world_size, rank, code, self.procs[rank].pid, state)
+        msg += _sequence_note(self._views({}), msg)
         return RankError(msg, rank, "", code)
 
     def _check(self, results: dict) -> None:
@@ -399,7 +418,7 @@ class _Run:
 
 # -- torchrun and single-process initialization --------------------------------------------------------------
 
-_SINGLE_STORE: dist.TCPStore | None = None     # keeps init_distributed's loopback store alive
+_SINGLE_STORE: dist.Store | None = None     # keeps init_distributed's store alive
 
 
 def init_distributed(backend: str = "auto") -> tuple[int, int]:
@@ -407,7 +426,7 @@ def init_distributed(backend: str = "auto") -> tuple[int, int]:
 
     Already initialized: nothing to do. Under torchrun (RANK and WORLD_SIZE in the environment): join it with
     env://; 'auto' picks NCCL when every local rank has a GPU (and selects GPU LOCAL_RANK). Otherwise: a world of
-    one process on gloo, over a store listening on 127.0.0.1 only.
+    one process on gloo, over an in-process store (nothing listens).
     """
     global _SINGLE_STORE
     if dist.is_initialized():
@@ -425,12 +444,8 @@ def init_distributed(backend: str = "auto") -> tuple[int, int]:
         dist.init_process_group(backend, init_method="env://")
         return dist.get_rank(), dist.get_world_size()
     backend = "gloo" if backend == "auto" else _choose_backend(backend, 1)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(8)
-    port = sock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          master_listen_fd=sock.detach())  # the store owns and closes the descriptor
+    # A world of one meets nobody: an in-process store, so nothing listens that another local user could open.
+    store = dist.HashStore()
     _SINGLE_STORE = store
     old = os.environ.get("GLOO_SOCKET_IFNAME")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())  # gloo's listener on loopback only
@@ -479,7 +494,7 @@ def launch(fn: Callable, world_size: int = 4, args: Sequence = (), kwargs: dict 
         raise LaunchError(f"launch() was called inside rank {ctx.rank}, which launch() started: ranks cannot "
                           "start ranks. fn already runs on every rank; call the code directly, or call launch() "
                           "from the notebook or the script's top level.")
-    _check_world_size(world_size)
+    world_size = _check_world_size(world_size)
     if isinstance(args, str | bytes) or not isinstance(args, Sequence):
         raise TypeError(f"launch(fn, world_size, args=...) takes fn's arguments after rank and world_size as a tuple "
                         f"or list; got {type(args).__name__} {args!r:.60}. For one argument write args=(value,).")

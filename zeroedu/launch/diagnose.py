@@ -15,6 +15,7 @@ import re
 import signal
 import sys
 import time
+from collections import Counter
 
 from zeroedu.launch.status import _RAW
 
@@ -29,11 +30,13 @@ _P2P_OPS = {"send", "recv", "isend", "irecv"}  # point-to-point: ranks legitimat
 class _View:
     """One rank as the parent sees it: its slot and whether its process is alive or returned."""
 
-    def __init__(self, rank: int, state: dict | None, returned: bool, exitcode: int | None) -> None:
+    def __init__(self, rank: int, state: dict | None, returned: bool, exitcode: int | None,
+                 pid: int | None = None) -> None:
         self.rank = rank
         self.state = state
         self.returned = returned
         self.exitcode = exitcode
+        self.stopped = exitcode is None and pid is not None and _is_stopped(pid)
         self.waiting: tuple[str, int, str] | None = None
         if state is not None and state["s"].startswith("waiting|"):
             _, key, seq, sig = state["s"].split("|", 3)
@@ -47,6 +50,15 @@ class _View:
 
     def knows_all_groups(self) -> bool:
         return bool((self.state or {}).get("full", True))
+
+
+def _is_stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP, Ctrl-Z, a debugger): state T or t in /proc/PID/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 # torch.distributed's names for what zeroedu's comm layer calls all_gather and reduce_scatter
@@ -76,6 +88,13 @@ def _members(key: str, views: list[_View]) -> list[int]:
 
 
 def _describe(v: _View, now: float) -> str:
+    if v.stopped:   # what its slot says it was doing is true, but it is not doing it: it runs nothing at all
+        return ("stopped (SIGSTOP, Ctrl-Z or a debugger: process state T), so it runs nothing, not even its "
+                "collectives, until it gets SIGCONT; when it stopped it was " + _describe_slot(v, now))
+    return _describe_slot(v, now)
+
+
+def _describe_slot(v: _View, now: float) -> str:
     if v.state is None:
         text = "not started (its process has not reached zeroedu's rank entry point)"
     elif v.waiting:
@@ -359,9 +378,15 @@ def _collect_stacks(run_dir: str, procs: list, world_size: int) -> dict[int, str
     """Ask every live rank for its Python stack (faulthandler prints it on SIGUSR1) and read the files."""
     paths = {r: os.path.join(run_dir, f"rank{r}.stack") for r in range(world_size)}
     alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    stopped = [r for r in alive if _is_stopped(procs[r].pid)]
     for r in alive:
         try:
             os.kill(procs[r].pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    for r in stopped:   # a stopped rank handles SIGUSR1 only once continued: let it run for the dump, then stop it
+        try:
+            os.kill(procs[r].pid, signal.SIGCONT)
         except OSError:
             pass
     deadline = time.monotonic() + STACK_WAIT
@@ -369,4 +394,58 @@ def _collect_stacks(run_dir: str, procs: list, world_size: int) -> dict[int, str
                                                   else 0 for r in alive):
         time.sleep(0.02)
     time.sleep(0.05)  # let the last dump finish writing
+    for r in stopped:
+        try:
+            os.kill(procs[r].pid, signal.SIGSTOP)   # as it was: the report shows it stopped
+        except OSError:
+            pass
     return {r: _with_source(_trim_stack(_tail(paths[r], 400))) for r in range(world_size)}
+
+
+def _sequence_note(views: list[_View], failure: str) -> str:
+    """When a rank died or raised: every rank's newest collectives and call line (zeroedu.comm.agreement's record in
+    its slot), naming the rank(s) whose sequence differs from the others'. gloo kills whichever rank first sees
+    the mismatched message, which is as often the rank that did nothing wrong."""
+    recs = {v.rank: v.state["a"] for v in views if v.state and isinstance(v.state.get("a"), dict)}
+    if len(recs) < 2:
+        return ""
+    odd, why = _odd_ranks(recs)
+    if not odd and not why and "gloo" not in failure and "mismatch" not in failure:
+        return ""
+    lines = []
+    for r, a in sorted(recs.items()):
+        newest = "; ".join(f"#{i} {sig}" for i, sig in a.get("r", [])) or "none"
+        lines.append(f"  rank {r}{' (differs)' if r in odd else ''}: after {a['c']} optimizer steps, {a['b']} "
+                     f"backward() (the last engine call at {a.get('w') or 'an unknown line'}); its newest "
+                     f"collectives since that step: {newest}")
+    head = (f"The ranks' sequences of collectives differ: rank(s) {', '.join(map(str, odd))} {why}." if odd else
+            f"The ranks' sequences of collectives differ{why}; each rank's newest collectives:")
+    return "\n\n" + head + "\n" + "\n".join(lines)
+
+
+def _odd_ranks(recs: dict[int, dict]) -> tuple[list[int], str]:
+    """The ranks whose record differs from the rest, and why; ([], "") when none can be named."""
+    from zeroedu.comm.agreement import UNFINISHED
+
+    broken = [r for r, a in recs.items() if a.get("u") is not None]
+    if broken and len(broken) < len(recs):
+        at = min(recs[r]["u"] for r in broken)
+        return broken, f"had an engine.backward() raise part-way at optimizer step {at}. " + UNFINISHED
+    over = [r for r, a in recs.items() if a["b"] > a.get("acc", 1)]
+    if over and len(over) < len(recs):
+        return over, ("called engine.backward() more often since its last engine.step() than "
+                      "gradient_accumulation_steps allows: it skipped engine.step()")
+    # The first collective (counted from the last step both reached) where the newest records disagree.
+    by_rank = {r: {(a["c"], i): sig for i, sig in a.get("r", [])} for r, a in recs.items()}
+    common = set.intersection(*(set(d) for d in by_rank.values()))
+    for at in sorted(common):
+        sigs = {r: d[at] for r, d in by_rank.items()}
+        votes = Counter(sigs.values()).most_common()
+        if len(votes) > 1 and votes[0][1] > votes[1][1]:
+            odd = [r for r, sig in sigs.items() if sig != votes[0][0]]
+            return odd, (f"ran {', '.join(sorted({sigs[r] for r in odd}))} as collective #{at[1]} after "
+                         f"{at[0]} optimizer steps, where the others ran {votes[0][0]}")
+        if len(votes) > 1:   # no majority (two ranks): say where they part, name no one
+            return [], (f" from collective #{at[1]} after {at[0]} optimizer steps on ("
+                        + "; ".join(f"rank {r}: {sig}" for r, sig in sorted(sigs.items())) + ")")
+    return [], ""

@@ -157,7 +157,7 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, conn: Connec
         if backend == "nccl":
             torch.cuda.set_device(rank)
         ctx.set("joining")
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=start_timeout))
+        store = rendezvous_store(run_dir, world_size, start_timeout)
         kw = {"timeout": datetime.timedelta(seconds=pg_timeout)} if pg_timeout else {}
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kw)
         ctx.set("running")
@@ -177,6 +177,15 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, conn: Connec
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def rendezvous_store(run_dir: str, world_size: int, timeout: float) -> dist.FileStore:
+    """The ranks meet through a file in the run's folder, which tempfile.mkdtemp made 0700: only this user can
+    open it. A TCP store on loopback, however bound, accepts any local user's connection and keys (another
+    learner on a shared JupyterHub could write into a running launch's rendezvous)."""
+    store = dist.FileStore(os.path.join(run_dir, "rendezvous"), world_size)
+    store.set_timeout(datetime.timedelta(seconds=timeout))
+    return store
 
 
 def _become_rank(rank: int, world_size: int, port: int, conn: Connection, run_dir: str, env: dict[str, str],
@@ -203,7 +212,8 @@ def _capture_output(run_dir: str, rank: int) -> None:
     C++ messages land there too; a Python stack on a segfault, and on SIGUSR1 into rank<N>.stack."""
     global _STACK_FILE
     for fd, name in ((1, "stdout"), (2, "stderr")):
-        log = os.open(os.path.join(run_dir, f"rank{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        # 0o644: a log, not a program (os.open's default mode, 0o777, made them executable under umask 022)
+        log = os.open(os.path.join(run_dir, f"rank{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log, fd)
         os.close(log)
     sys.stdout = open(1, "w", buffering=1, closefd=False, errors="replace")

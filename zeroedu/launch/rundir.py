@@ -3,7 +3,9 @@
 Each launch works in a folder of its own under the temporary directory, `zeroedu-launch-*`: the ranks' status
 slots (`status`), each rank's `rank<N>.stdout`, `rank<N>.stderr` and `rank<N>.stack`, and `owner`, the process
 that started the launch. launch() removes its folder when it ends, however it ends, except when its process is
-killed by SIGKILL: the next launch finds such a folder by its owner, gone, and removes it.
+killed by SIGKILL: the next launch finds such a folder by its owner, gone, and removes it. The same goes for the
+`pymp-*` folder that multiprocessing makes for the forkserver's socket: a launching process records it, and the
+next launch removes it once that process is gone.
 """
 
 from __future__ import annotations
@@ -60,4 +62,57 @@ def _remove_stale_run_dirs() -> list[str]:
             removed.append(path)
             print(f"zeroedu launch: removed {path} ({size:,} bytes), left by a launch whose process (pid {pid}) "
                   "was killed before it could clean up", file=sys.stderr, flush=True)
+    return removed
+
+
+_PYMP_MARK = "zeroedu-pymp-"   # + pid: "PID START\n/tmp/pymp-xxxx", the multiprocessing folder of a launching process
+
+
+def _note_forkserver_dir() -> None:
+    """Record this process's multiprocessing folder (the forkserver's socket lives there), so that the next
+    launch can remove it if this process is killed by SIGKILL, which multiprocessing's own cleanup never sees."""
+    import multiprocessing.util
+
+    mark = os.path.join(tempfile.gettempdir(), f"{_PYMP_MARK}{os.getpid()}")
+    folder = multiprocessing.util.get_temp_dir()
+    text = f"{_process_identity(os.getpid())}\n{folder}"
+    try:
+        with open(mark) as f:
+            if f.read() == text:
+                return
+    except OSError:
+        pass
+    try:
+        with open(mark, "w") as f:
+            f.write(text)
+    except OSError:
+        pass
+
+
+def _remove_stale_forkserver_dirs() -> list[str]:
+    """Delete the `pymp-*` folders that launching processes now gone recorded (_note_forkserver_dir): a killed
+    kernel's. Folders that zeroedu did not record are never touched."""
+    root, removed = tempfile.gettempdir(), []
+    try:
+        marks = [os.path.join(root, n) for n in os.listdir(root) if n.startswith(_PYMP_MARK)]
+    except OSError:
+        return removed
+    for mark in marks:
+        try:
+            with open(mark) as f:
+                owner, folder = f.read().split("\n", 1)
+            pid = int(owner.split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        now = _process_identity(pid)
+        if now and (now == owner or now.endswith(" ?") or owner.endswith(" ?")):
+            continue                        # still running
+        if os.path.basename(folder).startswith("pymp-") and os.path.dirname(folder) == root:
+            shutil.rmtree(folder, ignore_errors=True)
+            if not os.path.exists(folder):
+                removed.append(folder)
+        try:
+            os.remove(mark)
+        except OSError:
+            pass
     return removed

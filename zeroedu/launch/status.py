@@ -76,6 +76,9 @@ class _RankContext:
         self.done: dict[str, list[list]] = {}  # group key -> [[seq, sig, time], ...] newest last
         self.local = threading.local()         # .inside: this thread is in a collective it reported
         self.seqs: dict[str, int] = {}         # torch.distributed's own collectives, counted per group
+        # The engine's collective record since its last optimizer step (zeroedu.comm.agreement): lets the parent name
+        # the rank whose sequence differs when gloo aborts on a mismatch.
+        self.agreement: Callable[[], dict] | None = None
 
     def inside(self) -> bool:
         return getattr(self.local, "inside", False)
@@ -112,6 +115,8 @@ class _RankContext:
 
     def _write(self) -> None:
         state = {"s": self.status[:300], "t": time.time(), "d": self.done, "full": True}
+        if self.agreement is not None:
+            state["a"] = self.agreement()
         data = json.dumps(state, separators=(",", ":")).encode()
         if len(data) > _SLOT_BYTES - 8:  # many groups: keep only the newest collective of each
             state["d"] = {k: v[-1:] for k, v in self.done.items()}

@@ -42,7 +42,7 @@ class Stage1(Stage0):
     def reduce_bucket(self, b: Bucket) -> None:
         grads = self.layout.bucket_view(self.flat_grads, b)
         out = self.grad_out(b)
-        self.overlap(lambda: self.reduce_to_piece(out, grads, b))
+        self.overlap(self.for_bucket(b, lambda: self.reduce_to_piece(out, grads, b)))
 
     def all_reduces_buckets(self) -> bool:
         """Does a gradient bucket go by all-reduce (then this rank keeps its piece) instead of reduce-scatter?

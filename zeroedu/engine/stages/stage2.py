@@ -91,7 +91,7 @@ class Stage2(Stage1):
             self.reduce_scatter_buckets(bufs, outs)
             self.bucket_buffers[slot] = None   # reduced: the buffer goes (the main thread takes the slot after this)
 
-        self._buffer_jobs[slot] = self.overlap(job)
+        self._buffer_jobs[slot] = self.overlap(self.for_bucket(buckets[0], job))
 
     def reduce_scatter_buckets(self, bufs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         """Add to each out this rank's piece of its buffer, averaged over ranks: one collective for them all (a

@@ -1,0 +1,117 @@
+"""Ranks that drift apart are named where the drift began (zeroedu.comm.agreement), with real processes and gloo.
+
+The probe behind issue 36: a rank that skips engine.step() once, with the README's TinyGPT at stage 1, made the
+ranks exchange the wrong tensors for the rest of the run (equal sizes: gloo matched them) and the only error came
+at the end. These tests train real engines on real ranks and check that the error comes at the next step, names
+the rank that skipped, and shows every rank's call line.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import cloudpickle
+import pytest
+import torch
+
+import zeroedu
+from zeroedu.launch import LaunchError, launch
+from zeroedu.models import MLP, TinyGPT, gpt_batch, gpt_loss, shard_batch
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+STEPS = 8
+
+
+def _config(stage: int, bucket: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket}}
+
+
+def _skip_one_step(rank: int, world_size: int, stage: int, model: str, skip_at: int) -> int:
+    """Rank 1 skips engine.step() once, at step `skip_at`; returns the steps it got through."""
+    torch.manual_seed(0)
+    net = TinyGPT() if model == "gpt" else MLP()
+    engine, *_ = zeroedu.initialize(model=net, config=_config(stage, 20000 if model == "gpt" else 2000))
+    for step in range(STEPS):
+        if model == "gpt":
+            x, y = shard_batch(*gpt_batch(step, 2 * world_size), rank, world_size)
+            loss = gpt_loss(engine(x), y)
+        else:
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(2 * world_size, 32, generator=g)
+            x = x[rank * 2:(rank + 1) * 2]
+            loss = engine(x).square().mean()
+        engine.backward(loss)
+        if not (rank == 1 and step == skip_at):
+            engine.step()
+    return STEPS
+
+
+@pytest.mark.parametrize("stage,model", [(1, "gpt"), (1, "mlp"), (2, "mlp"), (0, "mlp")])
+def test_a_rank_that_skips_step_is_named_at_the_next_step(stage, model):
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as err:
+        launch(_skip_one_step, 2, args=(stage, model, 2), hang_timeout=60)
+    text = str(err.value)
+    # Either the per-step check caught it (sizes matched: gloo saw nothing), or gloo aborted (sizes differed)
+    # and the launcher compared the ranks' records; both name rank 1, whatever rank gloo happened to kill.
+    assert "rank(s) 1 " in text and "skipped engine.step()" in text, text
+    if "collective drift" in text:
+        assert "between optimizer steps 2 and 3" in text, text   # the drift began at the third step
+    else:
+        assert "rank 1 (differs): after 2 optimizer steps, 2 backward()" in text, text
+    # Each rank's call line: the line of this file that called engine.backward() or engine.step().
+    assert text.count("test_agreement.py:") >= 2, text
+    assert time.monotonic() - t0 < 60
+
+
+def _in_step(rank: int, world_size: int) -> None:
+    engine, *_ = zeroedu.initialize(model=MLP(), config=_config(1, 2000))
+    for _ in range(3):
+        loss = engine(torch.randn(2, 32)).square().mean()
+        engine.backward(loss)
+        engine.step()
+    return engine.comm.agreement.checks
+
+
+def test_agreeing_ranks_train_on():
+    assert launch(_in_step, 2) == [3, 3]
+
+
+class _HookError(Exception):
+    pass
+
+
+def _swallow_hook_error(rank: int, world_size: int, stage: int) -> int:
+    """Rank 1's backward hook raises at step 2; the training loop catches it and goes on."""
+    torch.manual_seed(0)
+    net = MLP()
+    state = {"step": 0}
+
+    def hook(grad):
+        if rank == 1 and state["step"] == 2:
+            raise _HookError("a learner's hook failed")
+        return grad
+
+    net.layers[1].weight.register_hook(hook)
+    engine, *_ = zeroedu.initialize(model=net, config=_config(stage, 2000))
+    for step in range(STEPS):
+        state["step"] = step
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(2 * world_size, 32, generator=g)[rank * 2:(rank + 1) * 2]
+        try:
+            engine.backward(engine(x).square().mean())
+        except _HookError:
+            pass   # swallowed: the run goes on
+        engine.step()
+    return STEPS
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_rank_that_swallows_an_exception_from_backward_is_named(stage):
+    with pytest.raises(LaunchError) as err:
+        launch(_swallow_hook_error, 2, args=(stage,), hang_timeout=60)
+    text = str(err.value)
+    assert "rank(s) 1 " in text and "raise part-way" in text, text
