@@ -98,3 +98,24 @@ def test_a_moment_not_recorded_is_named(run):
     _, h = run
     with pytest.raises(KeyError, match="no frame 'after lunch'.*after forward"):
         h.at(0, "after lunch")
+
+
+def test_rows_strip_and_stepper(run):
+    n, h = run
+    frames = h.frames[2]
+    fr = h.at(2, hd.AFTER_STEP)[0]
+    table = hd.rows(fr)
+    assert sum(r[4] for r in table) == sum(x.nbytes for x in fr.holdings)
+    assert ["parameters", "parameters", "whole", "bfloat16", 2 * sum(h.layouts[2]), False] in table
+    fig = hd.strip(frames)
+    assert [ax.get_title() for ax in fig.axes] == ["after forward", "backward: bucket 3", hd.AFTER_REDUCE,
+                                                   hd.AFTER_STEP, hd.END]
+    with pytest.raises(KeyError, match="no frame 'x'"):
+        hd.strip(frames, ["x"])
+    stepper = hd.Stepper(frames, "stage 2")
+    assert stepper.moments == hd.moments(frames[0]) and stepper.png.startswith(b"\x89PNG")
+    stepper.slider.value = hd.AFTER_STEP                      # moving the slider redraws
+    assert repr(stepper).startswith(f"rank 0, {hd.AFTER_STEP}:") and "master weights" in repr(stepper)
+    bundle = stepper._repr_mimebundle_()
+    data = bundle[0] if isinstance(bundle, tuple) else bundle
+    assert data["text/plain"] == repr(stepper) and data["image/png"]   # what a saved notebook keeps

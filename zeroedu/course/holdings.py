@@ -265,3 +265,95 @@ def figure(runs: Mapping[str, Sequence[Frame]], title: str = "Who holds what", u
     fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     return localize(fig)
+
+
+# -- reading frames: rows, a strip of moments, a widget to step through them ------------------------------------
+def moments(frames: Sequence[Frame]) -> list[str]:
+    """The moments of one rank's frames, in the order they happened."""
+    return list(dict.fromkeys(f.moment for f in frames))
+
+
+def rows(fr: Frame) -> list[list]:
+    """One row per (category, buffer, dtype, temporary): [category, buffer, which pieces, dtype, bytes, temporary];
+    the many pieces of one buffer (a piece per bucket) are one row that names the first and the last."""
+    groups: dict[tuple, list[Holding]] = {}
+    for x in fr.holdings:
+        groups.setdefault((x.category, x.buffer, x.dtype, x.temporary), []).append(x)
+    out = []
+    for (cat, buffer, dtype, temporary), xs in groups.items():
+        piece = xs[0].piece if len(xs) == 1 else f"{len(xs)} pieces: {xs[0].piece} ... {xs[-1].piece}"
+        out.append([cat.replace("_", " "), buffer, piece, dtype, sum(x.nbytes for x in xs), temporary])
+    return out
+
+
+def strip(frames_by_rank: Sequence[Sequence[Frame]], chosen: Sequence[str] | None = None,
+          title: str = "Who holds what, moment by moment"):
+    """A static strip of frames (for readers without a kernel): one panel per moment (default: after forward,
+    the middle of backward, after reduce, after the optimizer step, end of step), a row per rank."""
+    all_moments = moments(frames_by_rank[0])
+    if chosen is None:
+        backward = [m for m in all_moments if m.startswith("backward: ")]
+        firsts = [m for m in all_moments if m.startswith("after forward")]
+        chosen = [m for m in [firsts[len(firsts) // 2] if firsts else None,
+                              backward[len(backward) // 2] if backward else None,
+                              AFTER_REDUCE, AFTER_STEP, END] if m in all_moments]
+    runs = {}
+    for m in chosen:
+        if m not in all_moments:
+            raise KeyError(f"no frame {m!r}; the moments recorded: {all_moments}")
+        runs[m] = [next(f for f in frames if f.moment == m) for frames in frames_by_rank]
+    return figure(runs, title=title)
+
+
+class Stepper:
+    """Step through one run's moments with a slider: the ranks' bars at that moment and rank 0's holdings table.
+    Displays as its widget; a saved notebook keeps the text of the last moment shown and its picture."""
+
+    def __init__(self, frames_by_rank: Sequence[Sequence[Frame]], name: str = "") -> None:
+        import ipywidgets as widgets
+
+        self.frames_by_rank, self.name = frames_by_rank, name
+        self.moments = moments(frames_by_rank[0])
+        self.slider = widgets.SelectionSlider(options=self.moments, value=self.moments[0], description="moment",
+                                              continuous_update=False, layout={"width": "90%"},
+                                              style={"description_width": "initial"})
+        self.image = widgets.Image(format="png")
+        self.table = widgets.HTML()
+        self.widget = widgets.VBox([self.slider, self.image, self.table])
+        self.slider.observe(self.update, names="value")
+        self.text, self.png = "", b""
+        self.update()
+
+    def frames_at(self, moment: str) -> list[Frame]:
+        return [next(f for f in frames if f.moment == moment) for frames in self.frames_by_rank]
+
+    def update(self, _change=None) -> None:
+        import html
+        import io
+
+        import matplotlib.pyplot as plt
+
+        from zeroedu.course.basics import markdown_table
+
+        moment = self.slider.value
+        fig = figure({f"{self.name} {moment}".strip(): self.frames_at(moment)})
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        plt.close(fig)
+        self.png = self.image.value = buf.getvalue()
+        first = self.frames_at(moment)[0]
+        self.text = f"rank {first.rank}, {moment}:\n" + markdown_table(
+            rows(first), ["category", "buffer", "piece", "dtype", "bytes", "temporary"])
+        self.table.value = f"<pre style='font-size: 11px'>{html.escape(self.text)}</pre>"
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def _repr_mimebundle_(self, **kwargs):
+        import base64
+
+        bundle = self.widget._repr_mimebundle_(**kwargs)
+        data = bundle[0] if isinstance(bundle, tuple) else bundle
+        data["text/plain"] = self.text
+        data["image/png"] = base64.b64encode(self.png).decode("ascii")
+        return bundle
