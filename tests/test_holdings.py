@@ -119,3 +119,18 @@ def test_rows_strip_and_stepper(run):
     bundle = stepper._repr_mimebundle_()
     data = bundle[0] if isinstance(bundle, tuple) else bundle
     assert data["text/plain"] == repr(stepper) and data["image/png"]   # what a saved notebook keeps
+
+
+def test_figures_speak_chinese_under_zh(run):
+    from zeroedu import i18n
+    from zeroedu.i18n import figures
+
+    _, h = run
+    before = i18n.current()
+    i18n.lang("zh")
+    try:
+        for fig in (hd.strip(h.frames[3]), hd.figure({"stage 2": h.at(2, "backward: bucket 1")})):
+            assert figures.untranslated(fig) == []
+            assert any("临时" in t.get_text() for t in figures._texts(fig))
+    finally:
+        i18n.lang(before)

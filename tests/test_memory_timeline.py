@@ -89,3 +89,18 @@ def test_plot_has_a_line_per_category_per_rank(run):
 def test_a_step_not_run_is_named():
     with pytest.raises(ValueError, match="track_step=5 is not one of the 2 steps"):
         mt.timeline_run(course.ds_config(0, world_size=1), world_size=1, steps=2, track_step=5)
+
+
+def test_plot_speaks_chinese_under_zh(run):
+    from zeroedu import i18n
+    from zeroedu.i18n import figures
+
+    _, r = run
+    before = i18n.current()
+    i18n.lang("zh")
+    try:
+        fig = mt.plot(r.timelines)
+        assert figures.untranslated(fig) == []
+        assert "一步之内各类别的存活字节数" in [t.get_text() for t in figures._texts(fig)]
+    finally:
+        i18n.lang(before)

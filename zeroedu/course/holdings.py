@@ -32,6 +32,28 @@ AFTER_GATHER = "after the all-gather"
 AFTER_REDUCE = "after reduce"
 END = "end of step"
 
+# The Chinese of these figures' words, added to zeroedu.i18n.figures' catalogue when this module loads.
+ZH_PHRASES = {"Who holds what": "谁持有什么", "Who holds what, moment by moment": "谁持有什么：逐时刻",
+              "temporary": "临时（本步结束前释放）", "after forward": "前向之后", AFTER_REDUCE: "归约之后",
+              AFTER_STEP: "优化器步之后", AFTER_GATHER: "all-gather 之后", END: "本步结束"}
+ZH_PATTERNS = [(r"^after forward of unit (\d+)$", r"unit \1 前向之后"), (r"^backward: bucket (\d+)$", r"反向：桶 \1"),
+               (r"^backward: unit (\d+)$", r"反向：unit \1")]
+
+
+def register_zh(phrases: Mapping[str, str], patterns: Sequence[tuple[str, str]]) -> None:
+    """Add entries to the figures' catalogue (zeroedu.i18n.figures), patterns before its catch-all ones."""
+    import re
+
+    from zeroedu.i18n import figures
+
+    for k, v in phrases.items():
+        figures.PHRASES.setdefault(k, v)
+    known = {p.pattern for p, _ in figures.PATTERNS}
+    figures.PATTERNS[:0] = [(re.compile(p), r) for p, r in patterns if p not in known]
+
+
+register_zh(ZH_PHRASES, ZH_PATTERNS)
+
 
 @dataclass(frozen=True)
 class Holding:
@@ -336,7 +358,7 @@ class Stepper:
         from zeroedu.course.basics import markdown_table
 
         moment = self.slider.value
-        fig = figure({f"{self.name} {moment}".strip(): self.frames_at(moment)})
+        fig = figure({moment: self.frames_at(moment)}, title=self.name or "Who holds what")
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
         plt.close(fig)

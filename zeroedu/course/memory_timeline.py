@@ -25,7 +25,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from zeroedu.course.holdings import register_zh
 from zeroedu.memory import CATEGORIES
+
+register_zh({"Live bytes by category over one step": "一步之内各类别的存活字节数",
+             "operator (forward: blue, backward: red, step: green)":
+                 "算子序号（前向：蓝，反向：红，优化器步：绿）"}, [])
 
 
 @dataclass
