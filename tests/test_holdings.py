@@ -134,3 +134,43 @@ def test_figures_speak_chinese_under_zh(run):
             assert any("临时" in t.get_text() for t in figures._texts(fig))
     finally:
         i18n.lang(before)
+
+
+@pytest.fixture(scope="module")
+def extras():
+    cfgs = {"offload": course.ds_config(2, "bf16", world_size=2, offload_optimizer={"device": "cpu"}),
+            "zeropp": course.ds_config(3, "bf16", world_size=2, zero_hpz_partition_size=2,
+                                       stage3_param_persistence_threshold=0)}
+    return hd.holdings_run(cfgs, world_size=2)
+
+
+def test_offload_holdings_name_the_host(extras):
+    layout = extras.layouts["offload"]
+    want = theory.model_state_bytes(sum(layout), 2, 2, "bf16", layout=layout)
+    for fr in extras.at("offload", hd.AFTER_STEP):
+        device = fr.bytes_by_category()
+        assert "master_weights" not in device and "optimizer_state" not in device
+        host = fr.tiers["host"]
+        assert host["master_weights"] == want["master_weights"] and host["optimizer_state"] == want["optimizer_state"]
+        assert ["optimizer state", "on the host", "-", "-", want["optimizer_state"], False] in hd.rows(fr)
+    fig = hd.figure({"offload": extras.at("offload", hd.AFTER_STEP)})
+    assert any(t.get_text().endswith("MB on the host") for t in fig.axes[0].texts)
+    from zeroedu import i18n
+    from zeroedu.i18n import figures
+
+    before = i18n.current()
+    i18n.lang("zh")
+    try:
+        assert figures.untranslated(hd.figure({"offload": extras.at("offload", hd.AFTER_STEP)})) == []
+    finally:
+        i18n.lang(before)
+
+
+def test_zeropp_keeps_a_secondary_copy_of_the_parameters(extras):
+    layout = extras.layouts["zeropp"]
+    want = theory.model_state_bytes(sum(layout), 2, 3, "bf16", layout=layout)
+    for fr in extras.at("zeropp", hd.AFTER_STEP):
+        params = [x for x in fr.holdings if x.category == "parameters"]
+        # hpZ: the primary 1/N shard plus the secondary partition over the hpZ group (2 ranks here: also 1/2)
+        assert len(params) == 2 and sum(x.nbytes for x in params) == 2 * want["parameters"]
+        assert all(x.dtype == "bfloat16" for x in params)

@@ -12,7 +12,8 @@ storage once, as zeroedu.memory.resident counts them):
 
 A Holding says which piece of which buffer it is ("whole", "piece r of N", "bucket b, piece r of N",
 "unit k, whole"), its dtype and bytes, and whether it is temporary: gone by the end of the step (gathered units,
-bucket buffers, full gradients waiting for their bucket). `figure(...)` draws stages side by side at one moment:
+bucket buffers, full gradients waiting for their bucket). With offload, `tiers` has the bytes by category on
+the host and NVMe (engine.tier_bytes()). `figure(...)` draws stages side by side at one moment:
 a row per rank, a bar per category, bar length the bytes, temporary bytes hatched.
 """
 
@@ -37,7 +38,9 @@ ZH_PHRASES = {"Who holds what": "谁持有什么", "Who holds what, moment by mo
               "temporary": "临时（本步结束前释放）", "after forward": "前向之后", AFTER_REDUCE: "归约之后",
               AFTER_STEP: "优化器步之后", AFTER_GATHER: "all-gather 之后", END: "本步结束"}
 ZH_PATTERNS = [(r"^after forward of unit (\d+)$", r"unit \1 前向之后"), (r"^backward: bucket (\d+)$", r"反向：桶 \1"),
-               (r"^backward: unit (\d+)$", r"反向：unit \1")]
+               (r"^backward: unit (\d+)$", r"反向：unit \1"),
+               (r"^ \+ ([\d.]+) MB on the host$", r" + \1 MB 在主机内存"),
+               (r"^ \+ ([\d.]+) MB on the nvme$", r" + \1 MB 在 NVMe")]
 
 
 def register_zh(phrases: Mapping[str, str], patterns: Sequence[tuple[str, str]]) -> None:
@@ -72,7 +75,8 @@ class Frame:
 
     moment: str
     rank: int
-    holdings: list[Holding] = field(default_factory=list)
+    holdings: list[Holding] = field(default_factory=list)    # on the device
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)   # offload: bytes by category on "host", "nvme"
 
     def bytes_by_category(self, temporary: bool | None = None) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
@@ -121,7 +125,8 @@ def frame(engine, moment: str) -> Frame:
     """What `engine`'s rank holds now, by category; each storage once (first category wins, as resident())."""
     described = _describe(engine)
     seen: set[int] = set()
-    out = Frame(moment, engine.rank)
+    out = Frame(moment, engine.rank, tiers={t: {c: b for c, b in by.items() if b}
+                                            for t, by in engine.tier_bytes().items()})
     for cat, tensors in engine.owned().items():
         for t in tensors:
             if not isinstance(t, torch.Tensor):
@@ -276,6 +281,10 @@ def figure(runs: Mapping[str, Sequence[Frame]], title: str = "Who holds what", u
                     ax.barh(row, nbytes / unit, left=left, color=colors[cat], edgecolor="white",
                             hatch="//" if temporary else None, height=0.7)
                     left += nbytes / unit
+            for tier, by in fr.tiers.items():   # offloaded bytes: said at the end of the device's bar
+                if sum(by.values()):
+                    ax.text(left, row, f" + {sum(by.values()) / unit:.2f} MB on the {tier}", va="center",
+                            fontsize=7)
         ax.set_title(name)
         ax.set_yticks(range(len(frames)), [f"rank {f.rank}" for f in frames])
         ax.invert_yaxis()
@@ -305,6 +314,8 @@ def rows(fr: Frame) -> list[list]:
     for (cat, buffer, dtype, temporary), xs in groups.items():
         piece = xs[0].piece if len(xs) == 1 else f"{len(xs)} pieces: {xs[0].piece} ... {xs[-1].piece}"
         out.append([cat.replace("_", " "), buffer, piece, dtype, sum(x.nbytes for x in xs), temporary])
+    for tier, by in fr.tiers.items():
+        out += [[cat.replace("_", " "), f"on the {tier}", "-", "-", nbytes, False] for cat, nbytes in by.items()]
     return out
 
 
