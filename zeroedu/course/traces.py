@@ -76,20 +76,24 @@ def _instrument_worker() -> None:
     if getattr(w, "_zeroedu_traced", False):
         return
     submit, run = w.submit, w.run
-    w.submit = lambda fn: submit(_carry(fn))
-    w.run = lambda fn: run(_carry(fn))
+    w.submit = lambda fn, *args, **kw: submit(_carry(fn), *args, **kw)   # (newer workers take a lane too)
+    w.run = lambda fn, *args, **kw: run(_carry(fn), *args, **kw)
     w._zeroedu_traced = True
 
 
-def collective_name(op: str, phase: str, a, b, kind: str) -> str:
-    """The range name of one collective: what the ledger records for it (full tensor, output dtype)."""
+def collective_name(op: str, phase: str, a, b, kind: str, bucket: int | None = None) -> str:
+    """The range name of one collective: what the ledger records for it (full tensor, output dtype). `bucket`:
+    the bucket the Comm says it runs for (Comm.for_bucket, where the Comm has it), if no label says more."""
     full = b if op == "reduce_scatter" else a
     tensors = full if isinstance(full, list) else [full]
     outs = a if isinstance(a, list) else [a]
     numel = sum(t.numel() for t in tensors)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     dtype = str(outs[0].dtype).removeprefix("torch.")
-    return f"{PREFIX}/{phase}/{op}/{_label()} {kind} {dtype}[{numel}] {nbytes} B"
+    label = _label()
+    if label == "-" and bucket is not None:
+        label = f"bucket{bucket}"
+    return f"{PREFIX}/{phase}/{op}/{label} {kind} {dtype}[{numel}] {nbytes} B"
 
 
 def instrument_comm(comm) -> None:
@@ -99,15 +103,16 @@ def instrument_comm(comm) -> None:
     call, together, subgroup = comm._call, comm._call_together, comm.subgroup
 
     def traced_call(op, a, b, kind, phase, step, *args, **kw):
-        with record_function(collective_name(op, phase, a, b, kind)):
+        with record_function(collective_name(op, phase, a, b, kind, kw.get("bucket"))):
             return call(op, a, b, kind, phase, step, *args, **kw)
 
-    def traced_together(calls, phase, step):
+    def traced_together(calls, phase, step, *args, **kw):
         # one round for all of them; one range each (nested, same span), as the ledger has one entry each
+        bucket = args[0] if args else kw.get("bucket")
         with ExitStack() as stack:
             for op, outs, ins, kind, _ in calls:
-                stack.enter_context(record_function(collective_name(op, phase, outs, ins, kind)))
-            return together(calls, phase, step)
+                stack.enter_context(record_function(collective_name(op, phase, outs, ins, kind, bucket)))
+            return together(calls, phase, step, *args, **kw)
 
     def traced_subgroup(*args, **kw):
         sub = subgroup(*args, **kw)
@@ -142,10 +147,12 @@ def instrument(engine):
     engine.reduce_bucket = _ranged(lambda b: f"{PREFIX}/{phase()}/reduce/bucket{b.index}", engine.reduce_bucket,
                                    lambda b: f"bucket{b.index}")
     engine.publish = _ranged(lambda: f"{PREFIX}/step/publish", engine.publish, lambda: "publish")
-    if hasattr(engine, "start_gathers"):   # stage 3: one label per gathered group of units
-        engine.start_gathers = _ranged(
+    # stage 3: one label per gathered group of units (on the engine, or on its unit coordinator)
+    owner = engine if hasattr(engine, "start_gathers") else getattr(engine, "units", None)
+    if owner is not None and hasattr(owner, "start_gathers"):
+        owner.start_gathers = _ranged(
             lambda units: f"{PREFIX}/{phase()}/gather/unit" + "+".join(str(b.index) for b in units),
-            engine.start_gathers, lambda units: "unit" + "+".join(str(b.index) for b in units))
+            owner.start_gathers, lambda units: "unit" + "+".join(str(b.index) for b in units))
     # forward: module hooks (engine(x) is the class's __call__); at stage 3, one range per unit inside it
     _range_hooks(engine.module, f"{PREFIX}/forward")
     for k, m in enumerate(getattr(engine, "unit_modules", [])):
