@@ -10,6 +10,7 @@ solution notebook's graded cells, read here from the notebook.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import shutil
 import subprocess
@@ -123,3 +124,23 @@ def test_in_kernel_autograding_lets_a_submission_rebind_the_checks(course):
     assert score == total, (
         f"a submission that rebinds check() scored {score}/{total}: if nbgrader now isolates the tests from the "
         "learner's namespace, update docs/nbgrader.md")
+
+
+def test_zeroedu_grade_is_not_fooled_by_the_same_submission(course, tmp_path):
+    """The contrast docs/nbgrader.md draws: zeroedu grade runs the test cells in its own process."""
+    from zeroedu.grading import sandbox
+
+    submission = course / "submitted" / "rebinds-check" / EXERCISE / SOLUTION.name
+    folder = tmp_path / "rebinds-check"
+    folder.mkdir()
+    shutil.copy(submission, folder)
+    report = tmp_path / "grades.json"
+    trusted = [] if sandbox.check()[0] else ["--trusted"]  # the tests run in the grader either way
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "zeroedu", "grade", str(folder / SOLUTION.name), "--json",
+                           str(report), *trusted], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert report.is_file(), f"zeroedu grade wrote no gradebook:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    learner = json.loads(report.read_text(encoding="utf-8"))["learners"][0]
+    assert learner["max_points"] == full_marks(SOLUTION)
+    assert learner["points"] == 0, f"zeroedu grade gave the check-rebinding stub {learner['points']} points"
