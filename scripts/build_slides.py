@@ -35,6 +35,7 @@ LESSON = re.compile(r"^\d\d_.*\.ipynb$")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 # The Summary heading in each edition (docs/zh/style.md: a Summary is "## 小结").
 SUMMARY = {"Summary", "小结"}
+CHINESE_COPY = re.compile(r"^#{3,6}\s+中文.*$", re.M)
 # The goal line is the first bold-led paragraph of the title cell ("**Goal:** ...", "**目标：** ...").
 GOAL = re.compile(r"^\*\*(Goal|目标|Prerequisites|前置)")
 
@@ -63,6 +64,20 @@ def headings(source: str) -> list[tuple[int, str]]:
     return found
 
 
+def by_h2(source: str) -> list[str]:
+    """`source` cut before each '## ' heading line (outside fenced code): a section's text per part."""
+    parts, current, fenced = [], [], False
+    for line in source.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if not fenced and line.startswith("## ") and current:
+            parts.append("\n".join(current))
+            current = []
+        current.append(line)
+    parts.append("\n".join(current))
+    return parts
+
+
 def read_lesson(path: Path) -> Lesson:
     """Pick the title, goal, figures and summary out of a lesson notebook's saved cells."""
     nb = nbformat.read(path, as_version=4)
@@ -77,11 +92,18 @@ def read_lesson(path: Path) -> Lesson:
     section, in_summary = h1[0], False
     for cell in nb.cells:
         if cell.cell_type == "markdown":
-            level2 = [t for lvl, t in headings(cell.source) if lvl == 2]
-            if level2:
-                in_summary = level2[0] in SUMMARY
-            if in_summary:
-                lesson.summary.append(cell.source)
+            # A cell may hold the end of one section and the start of the next: split it at its H2s.
+            kept = []
+            for part in by_h2(cell.source):
+                h2 = [t for lvl, t in headings(part) if lvl == 2]
+                if h2:
+                    in_summary = h2[0] in SUMMARY
+                # The English summary carries a Chinese copy under "### 中文 小结"; it belongs in the 中文 deck.
+                part = CHINESE_COPY.split(part)[0].strip()
+                if in_summary and part:
+                    kept.append(part)
+            if kept:
+                lesson.summary.append("\n\n".join(kept))
             found = [t for lvl, t in headings(cell.source) if lvl >= 2]
             if found:
                 section = found[-1]

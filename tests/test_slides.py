@@ -127,6 +127,8 @@ def test_each_deck_has_title_every_saved_figure_and_summary(decks, lang):
         point = next(line for line in summary_cell(nb, heading).splitlines() if line.startswith("1. "))
         words = re.sub(r"[*`]", "", point[3:])[:20]
         assert words in " ".join(last.split()), f"{deck.name}: summary slide lacks {words!r}"
+        if lang == "en":  # the English notebook's summary ends with a Chinese copy, left to the 中文 deck
+            assert "中文" not in last and "小结" not in last, f"{deck.name}: the English summary slide has Chinese"
 
 
 def test_chinese_deck_summary_is_the_chinese_one(decks):
@@ -137,6 +139,21 @@ def test_chinese_deck_summary_is_the_chinese_one(decks):
         english = nbformat.read(ROOT / "notebooks" / src.name, as_version=4)
         first_en = next(line for line in summary_cell(english, "Summary").splitlines() if line.startswith("1. "))
         assert re.sub(r"[*`]", "", first_en[3:])[:20] not in last
+
+
+def test_summary_sharing_a_cell_with_the_previous_section(tmp_path):
+    md = nbformat.v4.new_markdown_cell
+    nb = nbformat.v4.new_notebook(cells=[
+        md("# 98 · A lesson\n\n**Goal:** one summary point"),
+        md("## 3. Last section\n\nsection text\n\n## Summary\n\n1. the point\n\n### 中文 小结\n\n1. 要点"),
+        md("## Check your understanding\n\n1. a question"),
+    ])
+    (tmp_path / "98_x.ipynb").write_text(nbformat.writes(nb), encoding="utf-8")
+    out = tmp_path / "out"
+    load_script().build(tmp_path, out)
+    last = text(slides_of(out / "en" / "98_x.slides.html")[-1])
+    assert "the point" in last
+    assert "section text" not in last and "要点" not in last and "a question" not in last
 
 
 def test_lesson_without_summary_is_refused_with_the_fix(tmp_path):
