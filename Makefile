@@ -66,6 +66,13 @@ book: $(STAMP)
 	$(BIN)/python scripts/build_book.py $(if $(wildcard /usr/bin/chromium),--pdf,)
 	@echo "open build/book/index.html (English) or build/book/zh/index.html (中文)"
 
+# reveal.js decks, English and 中文: each lesson's title, saved figures and summary (no notebook runs). For a room
+# without internet pass a local reveal.js 4 copy: make slides SLIDES_ARGS="--reveal-prefix reveal.js ...".
+.PHONY: slides
+slides: $(STAMP)
+	$(BIN)/python scripts/build_slides.py $(SLIDES_ARGS)
+	@echo "open build/slides/en/*.slides.html (English) or build/slides/zh/*.slides.html (中文)"
+
 # which Chinese lessons are out of step with their English cells (docs/zh/style.md says how to update them)
 zh-status: $(STAMP)
 	$(BIN)/python -m zeroedu.i18n status
