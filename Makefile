@@ -1,13 +1,24 @@
 # The two commands in README.md: `make tour` and `make test`. Each builds .venv first if needed.
-PY ?= python3.11
+# Python: the first of these that is in zeroedu's range (pyproject.toml requires-python, 3.10 to 3.14); 3.11 first,
+# the tested default. `make PY=/path/to/python3.12 tour` picks one yourself.
+PY_CANDIDATES := python3.11 python3.12 python3.13 python3.10 python3.14 python3
+PY_IN_RANGE := import sys; sys.exit(not ((3, 10) <= sys.version_info[:2] < (3, 15)))
+PY ?= $(firstword $(foreach p,$(PY_CANDIDATES),$(shell command -v $(p) >/dev/null 2>&1 && $(p) -c '$(PY_IN_RANGE)' 2>/dev/null && echo $(p))))
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: tour test ci lint nbval nbval-matrix exercises clean
+.PHONY: tour test ci lint nbval nbval-matrix test-matrix exercises clean
 
 $(STAMP): pyproject.toml scripts/install_torch.py
-	@command -v $(PY) >/dev/null || { echo "zeroedu needs Python 3.11 ($(PY) not found); set PY=/path/to/python3.11"; exit 1; }
+	@if [ -z "$(PY)" ] || ! $(PY) -c '$(PY_IN_RANGE)' 2>/dev/null; then \
+	  echo "zeroedu needs Python 3.10 to 3.14 (the Pythons torch ships wheels for; 3.11 is the tested default)."; \
+	  echo "Found:$(if $(PY), PY=$(PY) is not in that range;)"; \
+	  for p in $(PY_CANDIDATES); do v=$$($$p --version 2>/dev/null) && echo "  $$p: $$v at $$(command -v $$p)"; done; \
+	  echo "Fix: install Python 3.11 (Debian/Ubuntu: sudo apt install python3.11 python3.11-venv; macOS: brew install python@3.11;"; \
+	  echo "     any system: pyenv install 3.11), then run make again, or point make at one: make PY=/path/to/python3.11 tour"; \
+	  exit 1; fi
+	@echo "Python for .venv: $(PY) ($$($(PY) --version 2>&1))"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, pinned, and the CPU build unless an NVIDIA GPU is there to use (Linux: PyPI's wheel is the
@@ -57,5 +68,32 @@ lint: $(STAMP)
 exercises: $(STAMP)
 	$(BIN)/zeroedu build-exercises
 
+# The range, proven on another Python with another torch (docs/instructors.md has the last run): a fresh venv with
+# MATRIX_PY and torch==MATRIX_TORCH (on Linux PyPI's wheel is a CUDA build of several GB: pip caches it, and
+# MATRIX_WHEELS is searched first), the course installed into it as a learner would (`pip install -e .` keeps that
+# torch), then the tour, the fast tests and nbval on notebooks 00-06. Too heavy for every CI run.
+MATRIX_PY ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
+MATRIX_TORCH ?= 2.14.1
+MATRIX_VENV ?= .venv-matrix
+MATRIX_WHEELS ?= $(HOME)/.cache/zeroedu-matrix/wheels
+MATRIX_NOTEBOOKS := $(wildcard notebooks/0[0-6]_*.ipynb)
+MATRIX_BIN := $(MATRIX_VENV)/bin
+
+test-matrix:
+	@test -n "$(MATRIX_PY)" || { echo "test-matrix: no python3.12 found; set MATRIX_PY=/path/to/python3.x (another Python than .venv's)"; exit 1; }
+	@echo "== matrix: $$($(MATRIX_PY) --version) with torch $(MATRIX_TORCH) in $(MATRIX_VENV)"; date -u
+	rm -rf $(MATRIX_VENV)
+	$(MATRIX_PY) -m venv $(MATRIX_VENV)
+	$(MATRIX_BIN)/pip install --quiet --upgrade pip
+	$(MATRIX_BIN)/pip install --quiet --find-links $(MATRIX_WHEELS) torch==$(MATRIX_TORCH)
+	$(MATRIX_BIN)/pip install --quiet -e . 'pytest>=8,<10' 'pytest-timeout>=2.3,<3' 'nbval>=0.11,<1' 'ruff>=0.6'
+	$(MATRIX_BIN)/python -c 'import sys, torch; assert torch.__version__.split("+")[0] == "$(MATRIX_TORCH)", \
+	  f"pip replaced torch $(MATRIX_TORCH) by {torch.__version__}"; print("kept torch", torch.__version__, "on", sys.version.split()[0])'
+	$(MATRIX_BIN)/python -m zeroedu doctor || true
+	$(MATRIX_BIN)/python -m zeroedu tour
+	$(MATRIX_BIN)/python -m pytest -q -m "not slow" -p no:randomly tests
+	$(MATRIX_BIN)/python -m pytest -q --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(MATRIX_NOTEBOOKS)
+	@date -u; echo "== matrix passed: $$($(MATRIX_PY) --version), torch $(MATRIX_TORCH)"
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(MATRIX_VENV)
