@@ -18,7 +18,11 @@ SHARED = re.compile(r"(\.\./|/)shared\b|shared/seed")
 
 
 def load(path: Path) -> nbformat.NotebookNode:
-    return nbformat.read(path, as_version=4)
+    """The notebook as its author wrote it: without the generated badges and setup cell at its top
+    (scripts/setup_cell.py; tests/test_setup_cell.py checks those)."""
+    nb = nbformat.read(path, as_version=4)
+    nb.cells = [c for c in nb.cells if "zeroedu-setup" not in c.metadata.get("tags", [])]
+    return nb
 
 
 def markdown(nb) -> str:
