@@ -4,6 +4,21 @@ from zeroedu._version import __version__
 
 __all__ = ["Config", "ConfigError", "initialize", "launch", "load_config", "__version__"]
 
+
+def grade(notebook=None, *, sandbox: bool = False) -> int:
+    """Grade an exercise notebook from a cell in it (default: this notebook, as last saved): each test's verdict and
+    hint, then the score. Your own notebook runs without the sandbox (zeroedu.course.selfgrade)."""
+    from zeroedu.course.selfgrade import grade as _grade
+
+    return _grade(notebook, sandbox=sandbox)
+
+
+def progress(course=None) -> None:
+    """Print which lessons you have run and which exercises pass (zeroedu.course.progress)."""
+    from zeroedu.course.progress import main as _progress
+
+    _progress([] if course is None else [str(course)])
+
 try:
     from zeroedu.compose import initialize
     from zeroedu.config import Config, ConfigError, load_config
