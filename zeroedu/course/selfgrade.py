@@ -145,15 +145,27 @@ def _notebook_here() -> Path | None:
     return Path(vsc) if vsc else None
 
 
+def resolve(notebook: str | os.PathLike) -> Path:
+    """A path as given if it exists; else a name ('ex01_memory_formulas', with or without .ipynb) looked up in
+    exercises/ here, one folder up (a lesson's kernel runs in notebooks/) and next to the zeroedu package."""
+    path = Path(notebook)
+    if path.is_file():
+        return path
+    name = path.name if path.suffix == ".ipynb" else path.name + ".ipynb"
+    package_root = Path(__file__).resolve().parents[2]
+    for folder in (Path.cwd(), Path.cwd() / "exercises", Path.cwd().parent / "exercises", package_root / "exercises"):
+        if (folder / name).is_file():
+            return folder / name
+    return path
+
+
 def grade(notebook: str | os.PathLike | None = None, *, sandbox: bool = False) -> int:
     """Grade an exercise notebook (default: the one this kernel runs, as last saved) and print each test's verdict
     and hint, then the score. Runs `python -m zeroedu grade` with this kernel's Python; returns its exit status."""
-    path = Path(notebook) if notebook is not None else _notebook_here()
+    path = resolve(notebook) if notebook is not None else _notebook_here()
     if path is None:
-        raise ValueError("zeroedu.grade(): which notebook? This front end does not say; pass its file name, e.g. "
-                         "zeroedu.grade('ex01_memory_formulas.ipynb')")
-    if not path.exists() and (Path("exercises") / path.name).exists():
-        path = Path("exercises") / path.name
+        raise ValueError("zeroedu.grade(): which notebook? This front end does not say; pass its name, e.g. "
+                         "zeroedu.grade('ex01_memory_formulas')")
     if not path.is_file():
         raise FileNotFoundError(f"zeroedu.grade(): no notebook at {path.resolve()}; pass the path of your saved "
                                 "exercise notebook")
