@@ -8,7 +8,8 @@ Why the torch floor is 2.8: reading the code, 2.6 would do (the first release wh
 FSDP2's `fully_shard` and `CPUOffloadPolicy`, the bench's peers; `torch.distributed._tools.mem_tracker.MemTracker`,
 their memory meter, dates from 2.5). Run here, 2.6.0 fails at launch: its default TCPStore (libuv) refuses the
 listening socket launch() hands it (`master_listen_fd`: "The libuv TCPStore backend does not support initialization
-with an listen fd"), while 2.8.0 ran the tour with every stage equal to theory (Python 3.12, 6 December). The
+with an listen fd"), and so does 2.7.1; 2.8.0 ran the tour with every stage equal to theory (each on Python 3.12,
+6 December 2026). The
 single-tensor collectives were renamed in 2.13 (`all_gather_single`, `reduce_scatter_single`; the old names warn as
 deprecated), so older releases get the old names from here. "Tested" means run here (docs/instructors.md).
 
