@@ -37,10 +37,16 @@ def no_bwrap_env() -> dict[str, str]:
 
 
 def test_own_notebook_is_one_file_of_yours(tmp_path):
-    mine = tmp_path / f"{EX}.ipynb"
+    (tmp_path / "exercises").mkdir()
+    (tmp_path / "alice").mkdir()
+    mine = tmp_path / "exercises" / f"{EX}.ipynb"
     shutil.copy(ROOT / "exercises" / f"{EX}.ipynb", mine)
+    handed_in = tmp_path / "alice" / f"{EX}.ipynb"                             # an instructor's copy of a submission
+    shutil.copy(mine, handed_in)
     assert selfgrade.own_notebook([mine], []) == mine
-    assert selfgrade.own_notebook([tmp_path], []) is None                       # a folder: bulk grading
+    assert selfgrade.own_notebook([handed_in], []) is None
+    assert selfgrade.own_notebook([handed_in], [], anywhere=True) == handed_in  # --mine: the learner says so
+    assert selfgrade.own_notebook([tmp_path / "exercises"], []) is None         # a folder: bulk grading
     assert selfgrade.own_notebook([mine, mine], []) is None                     # several
     assert selfgrade.own_notebook([mine], ["--json", "g.json"]) is None        # a gradebook is for others' work
     if os.getuid() == 0:                                                        # a file someone else owns
@@ -65,7 +71,8 @@ def test_details_prints_every_test_and_its_whole_message():
 def test_someone_elses_notebook_needs_the_sandbox_and_says_so(tmp_path):
     if os.getuid() != 0:
         pytest.skip("needs root to hand the file to another user")
-    theirs = tmp_path / f"{EX}.ipynb"
+    (tmp_path / "exercises").mkdir()
+    theirs = tmp_path / "exercises" / f"{EX}.ipynb"
     shutil.copy(ROOT / "exercises" / f"{EX}.ipynb", theirs)
     os.chown(theirs, 65534, 65534)
     proc = subprocess.run([sys.executable, "-m", "zeroedu", "grade", str(theirs)], capture_output=True, text=True,

@@ -1,11 +1,12 @@
 """Grading your own exercise: `zeroedu grade exercises/ex01_memory_formulas.ipynb`, or `zeroedu.grade()` in a cell.
 
-Whose code runs decides how it runs. One notebook file that belongs to you (the user running the grader) is your
-own work: its cells run as you, with your permissions, as they did when you ran them in JupyterLab, so the grader
-runs it without the sandbox and says so. Anything else (a folder of submissions, several notebooks, a file owned by
-someone else, or `--sandbox`) is other people's work and runs in the bubblewrap sandbox, or not at all where
-bubblewrap is missing (the grader says why and how to install it). One notebook prints one line per test with its
-whole message (the hint), then the score; `--json`/`--csv` and folders keep the gradebook table (grading/grader.py).
+Whose code runs decides how it runs. One notebook file that belongs to you (the user running the grader), in your
+exercises/ folder or named with --mine, is your own work: its cells run as you, with your permissions, as they
+did when you ran them in JupyterLab, so the grader runs it without the sandbox and says so. Anything else (a
+folder of submissions, several notebooks, a file owned by someone else or outside exercises/, or `--sandbox`) is
+other people's work and runs in the bubblewrap sandbox, or not at all where bubblewrap is missing (the grader says
+why and how to install it). One notebook prints one line per test with its whole message (the hint), then the
+score; `--json`/`--csv` and folders keep the gradebook table (grading/grader.py).
 
 `zeroedu.grade()` runs `python -m zeroedu grade` with this kernel's own Python, so it works with or without an
 activated venv. It grades the notebook as last saved: save it first.
@@ -25,14 +26,18 @@ from zeroedu.grading.results import ExerciseResult
 BULK_FLAGS = {"--json", "--csv", "--executed", "--jobs", "--memory-gb", "--max-processes"}
 
 
-def own_notebook(paths: list[Path], extra: list[str]) -> Path | None:
-    """The single notebook file of yours that the arguments name, else None (bulk grading, or someone else's)."""
+def own_notebook(paths: list[Path], extra: list[str], anywhere: bool = False) -> Path | None:
+    """The single notebook of yours that the arguments name, else None (bulk grading, or someone else's). Yours:
+    a file you own in an exercises/ folder (your working copy of the course; an instructor's submissions/alice/
+    is not one), or anywhere with --mine (what zeroedu.grade() passes: the notebook whose kernel calls it)."""
     if len(paths) != 1 or any(a.split("=")[0] in BULK_FLAGS for a in extra):
         return None
     path = paths[0]
     if not path.is_file() or path.is_symlink() or path.suffix != ".ipynb":
         return None
-    return path if path.stat().st_uid == os.getuid() else None
+    if path.stat().st_uid != os.getuid():
+        return None
+    return path if anywhere or path.resolve().parent.name == "exercises" else None
 
 
 def details(result: ExerciseResult) -> str:
@@ -65,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("paths", nargs="*", type=Path)
     parser.add_argument("--sandbox", action="store_true")
+    parser.add_argument("--mine", action="store_true")
     parser.add_argument("--trusted", action="store_true")
     parser.add_argument("--solutions", type=Path, default=None)
     parser.add_argument("--timeout", type=float, default=grader.Limits.cell_timeout)
@@ -76,12 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     one = len(args.paths) == 1 and args.paths[0].is_file() and not extra
     if not one:                                    # folders, several notebooks, --json/--csv: the gradebook
-        return grader.main([a for a in argv if a != "--sandbox"])
+        return grader.main([a for a in argv if a not in {"--sandbox", "--mine"}])
     if args.trusted or args.sandbox:
         return _one(args, trusted=args.trusted and not args.sandbox)
-    mine = own_notebook(args.paths, extra)
+    mine = own_notebook(args.paths, extra, anywhere=args.mine)
     if mine is not None:
-        print(f"zeroedu grade: {mine} is your own notebook (owned by you): it runs as you, without the sandbox, "
+        print(f"zeroedu grade: {mine} is your own notebook: it runs as you, without the sandbox, "
               "as it ran in JupyterLab. Other people's work runs in the sandbox: give their folder, or add "
               "--sandbox.", flush=True)
     return _one(args, trusted=mine is not None)
@@ -119,7 +125,8 @@ def _one(args: argparse.Namespace, trusted: bool) -> int:
 
 
 def _help(grader) -> int:
-    print("usage: zeroedu grade NOTEBOOK            your own notebook: no sandbox, one line per test with its hint\n"
+    print("usage: zeroedu grade NOTEBOOK            your own notebook (yours, in exercises/; or --mine): no sandbox,\n"
+          "                                        one line per test with its hint, then the score\n"
           "       zeroedu grade NOTEBOOK --sandbox  someone else's notebook: in the sandbox, in the same detail\n"
           "       zeroedu grade FOLDER... [--json F] [--csv F]   bulk: every learner's notebooks, sandboxed\n")
     try:
@@ -171,7 +178,7 @@ def grade(notebook: str | os.PathLike | None = None, *, sandbox: bool = False) -
                                 "exercise notebook")
     age = time.time() - path.stat().st_mtime
     print(f"grading {path} as saved {age:.0f} s ago (save first, Ctrl+S, to grade your latest edits)", flush=True)
-    cmd = [sys.executable, "-m", "zeroedu", "grade", str(path), "--quiet"] + (["--sandbox"] if sandbox else [])
+    cmd = [sys.executable, "-m", "zeroedu", "grade", str(path), "--quiet", "--sandbox" if sandbox else "--mine"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:      # streamed, so a long grading shows its lines as they come
