@@ -249,3 +249,33 @@ def test_install_torch_picks_the_cpu_build_without_an_nvidia_gpu():
     chosen = subprocess.run([sys.executable, script, "--dry-run"], capture_output=True, text=True, timeout=30,
                             env={**env, "ZEROEDU_TORCH_INDEX": mirror})
     assert chosen.stdout.strip().splitlines()[-1] == f"pip install {pin} --extra-index-url {mirror}", chosen.stdout
+
+
+# -- the Makefile's Python: one in the range, or a message that says which to install ------------------------------
+
+def _make_copy(tmp_path: Path) -> Path:
+    for name in ("Makefile", "pyproject.toml", "scripts/install_torch.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, tmp_path / name)
+    return tmp_path
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+@pytest.mark.timeout(600)
+def test_make_picks_a_python_in_range_or_says_which_to_install(tmp_path):
+    folder = _make_copy(tmp_path)
+    dry = subprocess.run(["make", "-n", ".venv/.installed"], cwd=folder, capture_output=True, text=True, timeout=240)
+    assert dry.returncode == 0, dry.stderr
+    chosen = re.search(r"^(\S+) -m venv \.venv$", dry.stdout, re.M)
+    assert chosen, dry.stdout
+    version = subprocess.run([chosen.group(1), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert Version(version + ".0") in SpecifierSet(load_pyproject()["project"]["requires-python"]), version
+    old = next(iter(sorted(Path.home().glob(".pyenv/versions/3.9*/bin/python3.9"))), None) or shutil.which("python3.9")
+    if old is None:
+        pytest.skip("no Python older than the range here to try")
+    refused = subprocess.run(["make", f"PY={old}", ".venv/.installed"], cwd=folder, capture_output=True, text=True,
+                             timeout=240)   # pyenv's shims answer slowly on a loaded machine
+    assert refused.returncode != 0 and not (folder / ".venv").exists()
+    assert "zeroedu needs Python 3.10 to 3.14" in refused.stdout and f"PY={old} is not in that range" in refused.stdout
+    assert "install Python 3.11" in refused.stdout and "make PY=/path/to/python3.11 tour" in refused.stdout
