@@ -77,11 +77,13 @@ MATRIX_TORCH ?= 2.14.1
 MATRIX_VENV ?= .venv-matrix
 MATRIX_WHEELS ?= $(HOME)/.cache/zeroedu-matrix/wheels
 MATRIX_NOTEBOOKS := $(wildcard notebooks/0[0-6]_*.ipynb)
+MATRIX_TESTS ?= tests
 MATRIX_BIN := $(MATRIX_VENV)/bin
+MATRIX_STAMP := $(MATRIX_VENV)/.installed-$(MATRIX_TORCH)
 
-test-matrix:
+# the venv, once per torch version (make clean removes it)
+$(MATRIX_STAMP):
 	@test -n "$(MATRIX_PY)" || { echo "test-matrix: no python3.12 found; set MATRIX_PY=/path/to/python3.x (another Python than .venv's)"; exit 1; }
-	@echo "== matrix: $$($(MATRIX_PY) --version) with torch $(MATRIX_TORCH) in $(MATRIX_VENV)"; date -u
 	rm -rf $(MATRIX_VENV)
 	$(MATRIX_PY) -m venv $(MATRIX_VENV)
 	$(MATRIX_BIN)/pip install --quiet --upgrade pip
@@ -89,13 +91,18 @@ test-matrix:
 	$(MATRIX_BIN)/pip install --quiet -e . 'pytest>=8,<10' 'pytest-timeout>=2.3,<3' 'nbval>=0.11,<1' 'ruff>=0.6'
 	# DeepSpeed builds against the torch present (no build isolation); where it cannot, its tests skip
 	-$(MATRIX_BIN)/pip install --quiet --no-build-isolation 'deepspeed==0.19.8'
+	touch $(MATRIX_STAMP)
+
+# MATRIX_TESTS: the fast tests to run (default all of tests/; a list of files for a shorter run)
+test-matrix: $(MATRIX_STAMP)
+	@echo "== matrix: $$($(MATRIX_BIN)/python --version) with torch $(MATRIX_TORCH) in $(MATRIX_VENV)"; date -u
 	$(MATRIX_BIN)/python -c 'import sys, torch; assert torch.__version__.split("+")[0] == "$(MATRIX_TORCH)", \
 	  f"pip replaced torch $(MATRIX_TORCH) by {torch.__version__}"; print("kept torch", torch.__version__, "on", sys.version.split()[0])'
 	$(MATRIX_BIN)/python -m zeroedu doctor || true
 	$(MATRIX_BIN)/python -m zeroedu tour
-	$(MATRIX_BIN)/python -m pytest -q -m "not slow" -p no:randomly tests
+	$(MATRIX_BIN)/python -m pytest -q -m "not slow" $(MATRIX_TESTS)
 	$(MATRIX_BIN)/python -m pytest -q --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(MATRIX_NOTEBOOKS)
-	@date -u; echo "== matrix passed: $$($(MATRIX_PY) --version), torch $(MATRIX_TORCH)"
+	@date -u; echo "== matrix passed: $$($(MATRIX_BIN)/python --version), torch $(MATRIX_TORCH)"
 
 clean:
 	rm -rf $(VENV) $(MATRIX_VENV)

@@ -109,8 +109,9 @@ def test_setup_cell_refuses_a_torch_outside_the_range(tmp_path):
 # -- done when: a fresh venv with another Python and another torch --------------------------------------------------
 
 MATRIX_WHEELS = Path(os.environ.get("MATRIX_WHEELS", Path.home() / ".cache" / "zeroedu-matrix" / "wheels"))
-MATRIX_PY = os.environ.get("MATRIX_PY") or shutil.which("python3.12") or str(
-    next(iter(sorted(Path.home().glob(".pyenv/versions/3.12*/bin/python3.12"))), ""))
+# pyenv's own 3.12 before PATH's python3.12 (with pyenv, that is a shim that may not run), as the Makefile does
+MATRIX_PY = os.environ.get("MATRIX_PY") or str(
+    next(iter(sorted(Path.home().glob(".pyenv/versions/3.12*/bin/python3.12"))), "")) or shutil.which("python3.12")
 MATRIX_TORCH = os.environ.get("MATRIX_TORCH", "2.14.1")
 
 
