@@ -42,20 +42,20 @@ if importlib.util.find_spec("zeroedu") is None or os.environ.get("ZEROEDU_SETUP"
     # zeroedu's runtime packages but torch and JupyterLab: the runtime's own stay
     PACKAGES = __DEPS__
     def _zeroedu_setup(src, dest=os.path.expanduser("~/zeroedu")):
-        import socket, subprocess, tempfile, urllib.parse
+        import importlib.metadata, socket, subprocess, tempfile, urllib.parse
         def stop(why):
             raise RuntimeError(f"zeroedu setup stopped, nothing installed: {why}")
         if not (__PY_LOW__ <= sys.version_info[:2] < __PY_BELOW__):
             stop(f"Python {sys.version.split()[0]} is outside zeroedu's range, __PY_SPAN__: choose a runtime "
                  "with one of those.")
-        try:
-            import torch
-        except ImportError:
+        try:   # read from the metadata: importing torch before numpy is installed would leave it without numpy
+            torch_version = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
             stop("this runtime has no torch: `pip install torch==__TORCH_DEFAULT__` (any __TORCH_SPAN__ will do), "
                  "then rerun this cell.")
-        v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+        v = tuple(int(x) for x in torch_version.split("+")[0].split(".")[:2])
         if not (__TORCH_LOW__ <= v < __TORCH_BELOW__):
-            stop(f"torch {torch.__version__} is outside zeroedu's range, __TORCH_SPAN__: `pip install "
+            stop(f"torch {torch_version} is outside zeroedu's range, __TORCH_SPAN__: `pip install "
                  "torch==__TORCH_DEFAULT__`, restart the runtime, rerun this cell.")
         host = urllib.parse.urlparse(src).hostname
         if host:
@@ -74,14 +74,15 @@ if importlib.util.find_spec("zeroedu") is None or os.environ.get("ZEROEDU_SETUP"
             os.rmdir(tmp)
         pin = os.path.join(tempfile.mkdtemp(), "torch-pin.txt")
         with open(pin, "w") as f:
-            f.write(f"torch=={torch.__version__}\\n")   # a constraint: pip keeps the runtime's torch
+            f.write(f"torch=={torch_version}\\n")   # a constraint: pip keeps the runtime's torch
         pip = [sys.executable, "-m", "pip", "install", "-q", "-c", pin]
         if subprocess.run(pip + PACKAGES).returncode:
             stop("pip could not install zeroedu's packages (its message is above).")
-        if subprocess.run(pip + ["--no-deps", "-e", dest]).returncode:
+        # --no-warn-conflicts: JupyterLab is left out on purpose (the host's notebook UI serves)
+        if subprocess.run(pip + ["--no-deps", "--no-warn-conflicts", "-e", dest]).returncode:
             stop("pip could not install zeroedu (its message is above).")
         sys.path.insert(0, dest)   # an editable install is seen by new processes; this kernel needs the path
-        print(f"zeroedu installed from {src} into {dest}, beside torch {torch.__version__}.")
+        print(f"zeroedu installed from {src} into {dest}, beside torch {torch_version}.")
     _zeroedu_setup(SOURCE)
 '''
 

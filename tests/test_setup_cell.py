@@ -94,11 +94,14 @@ def test_setup_cell_without_internet_stops_before_installing(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_setup_cell_refuses_a_torch_outside_the_range(tmp_path):
-    """A runtime whose torch is older than the range (a stand-in package named torch that says 2.5.1: the cell
-    reads only torch.__version__ before deciding). It names the version, the range and the fix."""
+    """A runtime whose torch is older than the range (a stand-in distribution named torch, version 2.5.1: the cell
+    reads only the installed version before deciding). It names the version, the range and the fix."""
     fake = tmp_path / "site" / "torch"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text('__version__ = "2.5.1+cu121"\n')
+    dist = tmp_path / "site" / "torch-2.5.1+cu121.dist-info"        # what importlib.metadata reads
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.5.1+cu121\n")
     env = _clean_env(tmp_path, PYTHONPATH=f"{tmp_path / 'site'}{os.pathsep}{ROOT}", ZEROEDU_SETUP="force")
     proc = _run_cell(env, tmp_path)
     assert proc.returncode != 0
@@ -151,7 +154,7 @@ def test_setup_cell_installs_beside_another_torch_and_a_notebook_runs(tmp_path):
     t0 = time.monotonic()
     proc = subprocess.run([py, "-c", run], capture_output=True, text=True, timeout=1500, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"SETUP: zeroedu installed from {course}" in proc.stdout, proc.stdout
+    assert f"zeroedu installed from {course} into {course}, beside torch {MATRIX_TORCH}" in proc.stdout, proc.stdout
     after = subprocess.run([py, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert after == before, (before, after)
     print(f"fresh venv {before.split()[-1]}, torch {before.split()[0]}: notebook 00 ran in "
