@@ -1,13 +1,24 @@
 # The two commands in README.md: `make tour` and `make test`. Each builds .venv first if needed.
-PY ?= python3.11
+# Python: the first of these that is in zeroedu's range (pyproject.toml requires-python, 3.10 to 3.14); 3.11 first,
+# the tested default. `make PY=/path/to/python3.12 tour` picks one yourself.
+PY_CANDIDATES := python3.11 python3.12 python3.13 python3.10 python3.14 python3
+PY_IN_RANGE := import sys; sys.exit(not ((3, 10) <= sys.version_info[:2] < (3, 15)))
+PY ?= $(firstword $(foreach p,$(PY_CANDIDATES),$(shell command -v $(p) >/dev/null 2>&1 && $(p) -c '$(PY_IN_RANGE)' 2>/dev/null && echo $(p))))
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: tour test ci lint nbval nbval-matrix exercises book zh-status clean
+.PHONY: tour test ci lint nbval nbval-matrix test-matrix exercises book zh-status clean
 
 $(STAMP): pyproject.toml scripts/install_torch.py
-	@command -v $(PY) >/dev/null || { echo "zeroedu needs Python 3.11 ($(PY) not found); set PY=/path/to/python3.11"; exit 1; }
+	@if [ -z "$(PY)" ] || ! $(PY) -c '$(PY_IN_RANGE)' 2>/dev/null; then \
+	  echo "zeroedu needs Python 3.10 to 3.14 (the Pythons torch ships wheels for; 3.11 is the tested default)."; \
+	  echo "Found:$(if $(PY), PY=$(PY) is not in that range;)"; \
+	  for p in $(PY_CANDIDATES); do v=$$($$p --version 2>/dev/null) && echo "  $$p: $$v at $$(command -v $$p)"; done; \
+	  echo "Fix: install Python 3.11 (Debian/Ubuntu: sudo apt install python3.11 python3.11-venv; macOS: brew install python@3.11;"; \
+	  echo "     any system: pyenv install 3.11), then run make again, or point make at one: make PY=/path/to/python3.11 tour"; \
+	  exit 1; fi
+	@echo "Python for .venv: $(PY) ($$($(PY) --version 2>&1))"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, pinned, and the CPU build unless an NVIDIA GPU is there to use (Linux: PyPI's wheel is the
@@ -59,23 +70,7 @@ lint: $(STAMP)
 exercises: $(STAMP)
 	$(BIN)/zeroedu build-exercises
 
-# the course as a static web book, English and 中文, from the notebooks' saved outputs (no notebook runs); the cheat
-# sheets printed to PDF with Chromium where it is installed. Open build/book/index.html.
-book: $(STAMP)
-	$(BIN)/python -m zeroedu.course.cheatsheet --check
-	$(BIN)/python scripts/build_book.py $(if $(wildcard /usr/bin/chromium),--pdf,)
-	@echo "open build/book/index.html (English) or build/book/zh/index.html (中文)"
-
-# reveal.js decks, English and 中文: each lesson's title, saved figures and summary (no notebook runs). For a room
-# without internet pass a local reveal.js 4 copy: make slides SLIDES_ARGS="--reveal-prefix reveal.js ...".
-.PHONY: slides
-slides: $(STAMP)
-	$(BIN)/python scripts/build_slides.py $(SLIDES_ARGS)
-	@echo "open build/slides/en/*.slides.html (English) or build/slides/zh/*.slides.html (中文)"
-
-# which Chinese lessons are out of step with their English cells (docs/zh/style.md says how to update them)
-zh-status: $(STAMP)
-	$(BIN)/python -m zeroedu.i18n status
+.PHONY: tour test ci lint nbval nbval-matrix test-matrix exercises book zh-status clean
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(MATRIX_VENV)

@@ -1,5 +1,6 @@
-"""Install the torch that pyproject.toml pins into the running Python's environment, as the build this machine
-can use: the CPU build unless an NVIDIA GPU is there to use. `make .venv/.installed` runs it before the course.
+"""Install the tested torch (pyproject.toml [tool.zeroedu] tested-torch) into the running Python's environment, as
+the build this machine can use: the CPU build unless an NVIDIA GPU is there to use. `make .venv/.installed` runs it
+before the course.
 
 Why a script: on PyPI, Linux `torch==X` is the CUDA build (several GB of CUDA libraries a laptop without an
 NVIDIA GPU never uses). The CPU build has a local version, `X+cpu`, and lives on PyTorch's own index; pip
@@ -20,10 +21,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
-import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -34,9 +35,13 @@ PROBE_TIMEOUT_S = 10
 
 
 def torch_requirement() -> str:
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    (req,) = [d.replace(" ", "") for d in deps if d.replace(" ", "").startswith("torch==")]
-    return req
+    """torch==<tested-torch>. The package itself accepts a range (pyproject's dependencies); `make` installs the
+    version the notebooks' outputs were saved with. Read with a regex: tomllib is Python 3.11+, the range 3.10+."""
+    text = (ROOT / "pyproject.toml").read_text()
+    found = re.search(r'^tested-torch\s*=\s*"([^"]+)"', text, re.MULTILINE)
+    if found is None:
+        raise SystemExit("install_torch: pyproject.toml has no [tool.zeroedu] tested-torch = \"X.Y.Z\"")
+    return f"torch=={found.group(1)}"
 
 
 def pip(*args: str, capture: bool = False) -> subprocess.CompletedProcess:

@@ -16,10 +16,10 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -74,9 +74,20 @@ def environment_requirements(env: dict) -> tuple[dict[str, Requirement], dict[st
     return conda, pip, pip_other
 
 
+def default_torch(pyproject: dict) -> Requirement:
+    """torch==<[tool.zeroedu] tested-torch>: the package accepts a range, the course's environment (make, conda)
+    installs the version its saved outputs were made with."""
+    return Requirement(f"torch=={pyproject['tool']['zeroedu']['tested-torch']}")
+
+
 def disagreements(pyproject: dict, env: dict) -> list[str]:
-    """Every way the two files disagree, as sentences; empty when they agree."""
+    """Every way the two files disagree, as sentences; empty when they agree. torch: environment.yml pins the
+    tested version, which must lie in pyproject.toml's range."""
     wanted = pyproject_requirements(pyproject)
+    pin = default_torch(pyproject)
+    if not wanted["torch"].specifier.contains(str(pin.specifier).lstrip("=")):
+        return [f"tested-torch {pin.specifier} is outside pyproject.toml's torch range {wanted['torch'].specifier}"]
+    wanted["torch"] = pin
     conda, pip, _ = environment_requirements(env)
     problems = [f"{name} is in both the conda list and the pip section of environment.yml"
                 for name in sorted(conda.keys() & pip.keys())]
@@ -124,7 +135,7 @@ def test_environment_shape():
     assert env["channels"] == ["conda-forge"]
     conda, pip, other = environment_requirements(env)
     # torch only from pip, pinned exactly as pyproject pins it; a conda `pytorch` would be a second torch
-    torch_pin = pyproject_requirements(load_pyproject())["torch"].specifier
+    torch_pin = default_torch(load_pyproject()).specifier
     assert str(pip["torch"].specifier) == str(torch_pin) and str(torch_pin).startswith("==")
     assert not {"torch", "pytorch"} & conda.keys()
     # the CPU wheel by default, and the course itself installed editable
@@ -133,13 +144,16 @@ def test_environment_shape():
 
 
 def test_python_versions_agree():
-    """conda's `python=3.11` means 3.11.*; it must admit exactly the Pythons requires-python admits."""
+    """conda's `python=3.11` (3.11.*, the tested default) lies inside requires-python, and requires-python admits
+    3.10 to 3.14, every Python the supported torch releases ship wheels for, and nothing outside."""
     env_python = [e for e in load_environment()["dependencies"] if isinstance(e, str) and e.startswith("python")]
     assert env_python == ["python=3.11"], env_python
-    conda_says = SpecifierSet("==3.11.*")
     pip_says = SpecifierSet(load_pyproject()["project"]["requires-python"])
-    for v in ["3.10.14", "3.11.0", "3.11.7", "3.11.99", "3.12.0", "3.13.1"]:
-        assert (Version(v) in conda_says) == (Version(v) in pip_says), v
+    for v in ["3.11.0", "3.11.7", "3.11.99"]:
+        assert Version(v) in pip_says, v
+    for v, admitted in [("3.9.18", False), ("3.10.0", True), ("3.12.1", True), ("3.13.0", True), ("3.14.2", True),
+                        ("3.15.0", False)]:
+        assert (Version(v) in pip_says) == admitted, v
 
 
 # -- a fresh venv installs the pip section ----------------------------------------------------------------------
@@ -220,7 +234,7 @@ def test_install_torch_picks_the_cpu_build_without_an_nvidia_gpu():
     """scripts/install_torch.py --dry-run (what `make .venv/.installed` runs, minus the install): the pin comes from
     pyproject.toml; on Linux without nvidia-smi the plan is the CPU build; ZEROEDU_TORCH_INDEX overrides."""
     script = str(ROOT / "scripts" / "install_torch.py")
-    pin = str(pyproject_requirements(load_pyproject())["torch"])
+    pin = str(default_torch(load_pyproject()))
     env = {k: v for k, v in os.environ.items() if k != "ZEROEDU_TORCH_INDEX"}
     proc = subprocess.run([sys.executable, script, "--dry-run"], capture_output=True, text=True, timeout=110, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -235,3 +249,33 @@ def test_install_torch_picks_the_cpu_build_without_an_nvidia_gpu():
     chosen = subprocess.run([sys.executable, script, "--dry-run"], capture_output=True, text=True, timeout=30,
                             env={**env, "ZEROEDU_TORCH_INDEX": mirror})
     assert chosen.stdout.strip().splitlines()[-1] == f"pip install {pin} --extra-index-url {mirror}", chosen.stdout
+
+
+# -- the Makefile's Python: one in the range, or a message that says which to install ------------------------------
+
+def _make_copy(tmp_path: Path) -> Path:
+    for name in ("Makefile", "pyproject.toml", "scripts/install_torch.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, tmp_path / name)
+    return tmp_path
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+@pytest.mark.timeout(600)
+def test_make_picks_a_python_in_range_or_says_which_to_install(tmp_path):
+    folder = _make_copy(tmp_path)
+    dry = subprocess.run(["make", "-n", ".venv/.installed"], cwd=folder, capture_output=True, text=True, timeout=240)
+    assert dry.returncode == 0, dry.stderr
+    chosen = re.search(r"^(\S+) -m venv \.venv$", dry.stdout, re.M)
+    assert chosen, dry.stdout
+    version = subprocess.run([chosen.group(1), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert Version(version + ".0") in SpecifierSet(load_pyproject()["project"]["requires-python"]), version
+    old = next(iter(sorted(Path.home().glob(".pyenv/versions/3.9*/bin/python3.9"))), None) or shutil.which("python3.9")
+    if old is None:
+        pytest.skip("no Python older than the range here to try")
+    refused = subprocess.run(["make", f"PY={old}", ".venv/.installed"], cwd=folder, capture_output=True, text=True,
+                             timeout=240)   # pyenv's shims answer slowly on a loaded machine
+    assert refused.returncode != 0 and not (folder / ".venv").exists()
+    assert "zeroedu needs Python 3.10 to 3.14" in refused.stdout and f"PY={old} is not in that range" in refused.stdout
+    assert "install Python 3.11" in refused.stdout and "make PY=/path/to/python3.11 tour" in refused.stdout

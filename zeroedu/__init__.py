@@ -13,7 +13,23 @@ from zeroedu.i18n import lang
 
 _aliases.install()
 
-__all__ = ["Config", "ConfigError", "initialize", "lang", "launch", "load_config", "__version__"]
+__all__ = ["Config", "ConfigError", "grade", "initialize", "lang", "launch", "load_config", "progress", "__version__"]
+
+
+def grade(notebook=None, *, sandbox: bool = False) -> int:
+    """Grade an exercise notebook from a cell in it (default: this notebook, as last saved): each test's verdict and
+    hint, then the score. Your own notebook runs without the sandbox (zeroedu.course.selfgrade)."""
+    from zeroedu.course.selfgrade import grade as _grade
+
+    return _grade(notebook, sandbox=sandbox)
+
+
+def progress(course=None) -> None:
+    """Print which lessons you have run and which exercises pass (zeroedu.course.progress)."""
+    from zeroedu.course.progress import main as _progress
+
+    _progress([] if course is None else [str(course)])
+
 
 _API = {"initialize": "zeroedu.compose", "Config": "zeroedu.config", "ConfigError": "zeroedu.config",
         "load_config": "zeroedu.config"}

@@ -33,6 +33,7 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
+from zeroedu import compat
 from zeroedu.fmt import fmt_bytes
 from zeroedu.sysinfo import available_memory, usable_cores
 
@@ -42,7 +43,7 @@ __all__ = ["Result", "check_cores", "check_disk", "check_gloo", "check_gpus", "c
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
-PYTHON = (3, 11)
+PYTHON = compat.TESTED_PYTHON[0]   # the tested default (environment.yml's python=3.11)
 WORLD_SIZE = 4                      # the largest world size the notebooks launch
 RANK_GB = 0.5                       # per rank process: the estimate launch() itself refuses to start beyond
 NOTEBOOK_GB = 0.75                  # notebook kernel with torch and matplotlib, plus the JupyterLab server
@@ -95,36 +96,36 @@ def _requirements() -> list[str]:
         return []
 
 
-def _torch_pin(requirements: Sequence[str] | None = None) -> str | None:
-    for req in _requirements() if requirements is None else requirements:
-        name, _, version = req.replace(" ", "").partition("==")
-        if name.lower() == "torch" and version:
-            return version.split(";")[0]
-    return None
+def _torch_pin(requirements: Sequence[str] | None = None) -> str:
+    """The torch the course is tested with and `make` installs (pyproject's [tool.zeroedu] tested-torch). The
+    package accepts a range (compat.TORCH_RANGE); `requirements` is kept for callers that passed one."""
+    return compat.TORCH_DEFAULT
 
 
-def _release(version: str) -> tuple[int, ...]:
-    """'2.13.0+cpu' -> (2, 13, 0): the local part (+cpu, +cu124) names the build, not the version."""
-    parts = []
-    for piece in version.split("+")[0].split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
+_release = compat.release
 
 
 # -- the checks --------------------------------------------------------------------------------------------------
 
+def _tested_pythons() -> str:
+    return ", ".join(f"{a}.{b}" for a, b in compat.TESTED_PYTHON)
+
+
 def check_python(version_info: Sequence[int] | None = None, executable: str | None = None) -> Result:
+    """In zeroedu's range (compat.PYTHON_RANGE): ok where tested here, warn where only supported; else FAIL."""
     v = tuple(sys.version_info[:3] if version_info is None else version_info)
     exe = sys.executable if executable is None else executable
     text = ".".join(map(str, v))
-    if tuple(v[:2]) == PYTHON:
-        return Result("python", OK, f"{text} ({exe})", data={"version": text, "executable": exe})
-    return Result("python", FAIL, f"{text}; the course is pinned to Python 3.11 (requires-python in pyproject.toml)",
-                  "install Python 3.11 and rebuild the venv: `make PY=/path/to/python3.11 .venv/.installed`, "
-                  "or `conda env create -f environment.yml`", {"version": text, "executable": exe})
+    data = {"version": text, "executable": exe, "range": compat.PYTHON_RANGE, "tested": _tested_pythons()}
+    problem = compat.python_problem(v)
+    if problem:
+        found, _, fix = problem.partition(" Fix: ")
+        return Result("python", FAIL, found, fix + ", or `conda env create -f environment.yml`", data)
+    if tuple(v[:2]) in compat.TESTED_PYTHON:
+        return Result("python", OK, f"{text} ({exe}); tested here, in the range {compat.PYTHON_RANGE}", data=data)
+    return Result("python", WARN, f"{text} ({exe}) is in zeroedu's range {compat.PYTHON_RANGE} but not among the "
+                  f"tested Pythons ({_tested_pythons()}): it should work", "to run exactly what is tested: "
+                  "`make PY=python3.11 tour` (or conda env create -f environment.yml)", data)
 
 
 def _nvidia_smi() -> list[tuple[str, int]] | None:
@@ -163,9 +164,10 @@ def torch_install_fix(pin: str, nvidia_gpus: int, platform_name: str | None = No
 
 def check_torch(version: str | None = None, cuda: str | None = None, pin: str | None = None,
                 nvidia_gpus: int | None = None) -> Result:
-    """version/cuda default to the installed torch (cuda None = CPU build); pin defaults to pyproject's;
-    nvidia_gpus to what nvidia-smi sees (it picks the build the fix recommends)."""
-    pin = (_torch_pin() or "2.13.0") if pin is None else pin
+    """version/cuda default to the installed torch (cuda None = CPU build); pin (the tested default) to pyproject's;
+    nvidia_gpus to what nvidia-smi sees (it picks the build the fix recommends). Outside compat.TORCH_RANGE: FAIL;
+    in it but not among compat.TESTED_TORCH: warn (it should run; the saved outputs were made with the pin)."""
+    pin = _torch_pin() if pin is None else pin
     if nvidia_gpus is None:
         nvidia_gpus = len(_nvidia_smi() or [])
     if version is None:
@@ -173,23 +175,27 @@ def check_torch(version: str | None = None, cuda: str | None = None, pin: str | 
             import torch
         except ImportError as e:
             return Result("torch", FAIL, f"not importable: {e}", torch_install_fix(pin, nvidia_gpus),
-                          {"pin": pin, "nvidia_gpus": nvidia_gpus})
+                          {"pin": pin, "nvidia_gpus": nvidia_gpus, "range": compat.TORCH_RANGE})
         version, cuda = torch.__version__, torch.version.cuda
     build = f"CUDA {cuda} build" if cuda else "CPU build"
-    data = {"version": version, "pin": pin, "cuda": cuda, "nvidia_gpus": nvidia_gpus}
+    tested = ", ".join(compat.TESTED_TORCH)
+    data = {"version": version, "pin": pin, "cuda": cuda, "nvidia_gpus": nvidia_gpus, "range": compat.TORCH_RANGE,
+            "tested": tested}
     fix = ((f"pip install torch=={pin}" if cuda else torch_install_fix(pin, nvidia_gpus))
            + " (into the course's environment)")
-    if _release(version) < _release(pin):
-        return Result("torch", FAIL, f"{version}, {build}; the course needs torch=={pin}: older versions are not "
-                      "tested", fix, data)
-    if _release(version) > _release(pin):
-        return Result("torch", WARN, f"{version}, {build}; the course is tested with torch=={pin}", fix, data)
+    problem = compat.torch_problem(version)
+    if problem:
+        return Result("torch", FAIL, f"{problem.partition(' Fix: ')[0]} ({build})", fix, data)
+    if not any(_release(version)[:3] == _release(t) for t in compat.TESTED_TORCH):
+        return Result("torch", WARN, f"{version}, {build}: in zeroedu's range {compat.TORCH_RANGE} but not among the "
+                      f"tested versions ({tested}); it should run, and the notebooks' saved outputs were made with "
+                      f"torch=={pin}", "nothing to do to learn; to run exactly what is tested: " + fix, data)
     if nvidia_gpus and not cuda:
         return Result("torch", WARN, f"{version}, {build}, but nvidia-smi sees {nvidia_gpus} NVIDIA GPU(s): the "
                       "course runs on the CPU and the GPU path (NCCL, CUDA memory, pinned offload) goes unused",
                       torch_install_fix(pin, nvidia_gpus), data)
     note = " (no NVIDIA GPU here: the CPU build would do, and is much smaller)" if cuda and not nvidia_gpus else ""
-    return Result("torch", OK, f"{version}, {build}{note}", data=data)
+    return Result("torch", OK, f"{version}, {build}{note}; tested here (range {compat.TORCH_RANGE})", data=data)
 
 
 def _torch_distributed():

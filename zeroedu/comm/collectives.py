@@ -15,10 +15,12 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed the single-tensor collectives and deprecated the old names; torch 2.11 and 2.12 (a GPU machine's
-# build, say) have only the old ones. Same signature, same semantics.
-ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from zeroedu import compat
+
+# torch 2.13 renamed the single-tensor collectives and deprecated the old names; older torch (a GPU machine's 2.11,
+# say) has only the old ones. zeroedu.compat picks whichever this torch has.
+ALL_GATHER_SINGLE = compat.all_gather_single()
+REDUCE_SCATTER_SINGLE = compat.reduce_scatter_single()
 
 
 class Peers(Protocol):

@@ -1,0 +1,161 @@
+"""The notebooks' first cells (badges, setup) come from scripts/setup_cell.py, and the setup cell does what it says:
+nothing where zeroedu is importable; on a runtime with a torch out of range, or with no internet, it stops with
+the versions, the range and the fix before installing anything; and (slow) on a fresh venv with another Python and
+another torch it installs the course, runs a notebook through and leaves that torch as it was."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("setup_cell", ROOT / "scripts" / "setup_cell.py")
+setup_cell = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(setup_cell)
+
+NOTEBOOKS = setup_cell.notebooks()
+
+
+def test_every_notebook_opens_with_the_generated_cells():
+    assert len(NOTEBOOKS) >= 30 and {p.parent.name for p in NOTEBOOKS} == {"notebooks", "solutions", "exercises"}
+    for path in NOTEBOOKS:
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        want = setup_cell.cells_for(path.relative_to(ROOT).as_posix())
+        assert [c["cell_type"] for c in cells[:2]] == ["markdown", "code"], path
+        assert "".join(cells[1]["source"]) == setup_cell.cell_source(), f"{path}: run python scripts/setup_cell.py"
+        assert cells[1]["outputs"] == [], f"{path}: the setup cell's saved output must be empty (nbval compares it)"
+        assert cells[:2][0]["metadata"] == want[0]["metadata"] and cells[1]["metadata"] == want[1]["metadata"], path
+        badge = "".join(cells[0]["source"])
+        assert "colab.research.google.com/github/" in badge and "ModelScope" in badge and "魔搭" in badge, path
+        shown = path.relative_to(ROOT).as_posix().replace("solutions/", "exercises/")
+        assert badge.count(shown) == 1, f"{path}: the Colab badge opens {shown}"
+        # the rest of the notebook has no second copy
+        assert sum(setup_cell.TAG in c.get("metadata", {}).get("tags", []) for c in cells) == 2, path
+    assert setup_cell.main(["--check"]) == 0
+
+
+def test_the_script_is_idempotent_and_keeps_the_rest(tmp_path, monkeypatch):
+    folder = tmp_path / "notebooks"
+    folder.mkdir()
+    src = ROOT / "notebooks" / "01_memory_anatomy.ipynb"
+    original = json.loads(src.read_text(encoding="utf-8"))
+    bare = dict(original, cells=[c for c in original["cells"] if setup_cell.TAG not in c["metadata"].get("tags", [])])
+    target = folder / src.name
+    target.write_text(json.dumps(bare, sort_keys=True, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")   # the cell's ranges come from it
+    monkeypatch.setattr(setup_cell, "ROOT", tmp_path)
+    assert setup_cell.apply(target) is True
+    once = target.read_text(encoding="utf-8")
+    assert setup_cell.apply(target) is False and target.read_text(encoding="utf-8") == once
+    again = json.loads(once)
+    assert again["cells"][2:] == bare["cells"]            # only the top changed
+    assert once == src.read_text(encoding="utf-8")         # byte for byte what the repository holds
+
+
+def _run_cell(env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    code = setup_cell.cell_source()
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=cwd)
+
+
+def _clean_env(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROEDU_")}
+    return {**env, "HOME": str(home), **extra}
+
+
+@pytest.mark.timeout(150)
+def test_setup_cell_is_silent_where_zeroedu_is_importable(tmp_path):
+    proc = _run_cell(_clean_env(tmp_path, PYTHONPATH=str(ROOT)), tmp_path)
+    assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == "", proc
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(150)
+def test_setup_cell_without_internet_stops_before_installing(tmp_path):
+    """A source whose host cannot be reached (.invalid never resolves, RFC 6761): the cell names the host, says
+    there is no internet and what to do, and leaves nothing behind (no clone, no install)."""
+    env = _clean_env(tmp_path, PYTHONPATH=str(ROOT), ZEROEDU_SETUP="force",
+                     ZEROEDU_SOURCE="https://course.invalid/zeroedu.git")
+    proc = _run_cell(env, tmp_path)
+    assert proc.returncode != 0
+    assert "zeroedu setup stopped, nothing installed: cannot reach course.invalid" in proc.stderr, proc.stderr
+    assert "no internet" in proc.stderr and "ZEROEDU_SOURCE" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(150)
+def test_setup_cell_refuses_a_torch_outside_the_range(tmp_path):
+    """A runtime whose torch is older than the range (a stand-in distribution named torch, version 2.5.1: the cell
+    reads only the installed version before deciding). It names the version, the range and the fix."""
+    fake = tmp_path / "site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('__version__ = "2.5.1+cu121"\n')
+    dist = tmp_path / "site" / "torch-2.5.1+cu121.dist-info"        # what importlib.metadata reads
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.5.1+cu121\n")
+    env = _clean_env(tmp_path, PYTHONPATH=f"{tmp_path / 'site'}{os.pathsep}{ROOT}", ZEROEDU_SETUP="force")
+    proc = _run_cell(env, tmp_path)
+    assert proc.returncode != 0
+    assert "torch 2.5.1+cu121 is outside zeroedu's range, 2.8 to 2.15" in proc.stderr, proc.stderr
+    assert "pip install torch==2.13.0" in proc.stderr and not (tmp_path / "zeroedu").exists()
+
+
+# -- done when: a fresh venv with another Python and another torch --------------------------------------------------
+
+MATRIX_WHEELS = Path(os.environ.get("MATRIX_WHEELS", Path.home() / ".cache" / "zeroedu-matrix" / "wheels"))
+# pyenv's own 3.12 before PATH's python3.12 (with pyenv, that is a shim that may not run), as the Makefile does
+MATRIX_PY = os.environ.get("MATRIX_PY") or str(
+    next(iter(sorted(Path.home().glob(".pyenv/versions/3.12*/bin/python3.12"))), "")) or shutil.which("python3.12")
+MATRIX_TORCH = os.environ.get("MATRIX_TORCH", "2.14.1")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_setup_cell_installs_beside_another_torch_and_a_notebook_runs(tmp_path):
+    """A fresh venv on another Python with another torch in the range and a Jupyter kernel, no zeroedu. Notebook 00,
+    run through with nbclient from its first cell: the setup cell installs the course (from a clean copy of this
+    checkout, ZEROEDU_SOURCE) and every later cell runs; torch is the same version, same files, afterwards.
+    Needs MATRIX_PY and MATRIX_WHEELS (torch for that Python; `make test-matrix` documents the download)."""
+    wheels = sorted(MATRIX_WHEELS.glob(f"torch-{MATRIX_TORCH}-*.whl"))
+    if not MATRIX_PY or not Path(MATRIX_PY).exists() or not wheels:
+        pytest.skip(f"needs MATRIX_PY (found {MATRIX_PY!r}) and torch {MATRIX_TORCH} wheels in {MATRIX_WHEELS}")
+    venv = tmp_path / "venv"
+    subprocess.run([MATRIX_PY, "-m", "venv", str(venv)], check=True, timeout=120)
+    py = str(venv / "bin" / "python")
+    subprocess.run([py, "-m", "pip", "install", "-q", "--find-links", str(MATRIX_WHEELS), f"torch=={MATRIX_TORCH}",
+                    "nbclient", "ipykernel"], check=True, timeout=1200)
+    probe = "import torch, sys; print(torch.__version__, torch.__file__, sys.version.split()[0])"
+    before = subprocess.run([py, "-c", probe], capture_output=True, text=True, check=True).stdout
+    course = tmp_path / "course"         # what a git clone would give: the tracked files of this checkout
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    for rel in filter(None, files.split("\0")):
+        if (ROOT / rel).is_file():
+            (course / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, course / rel)
+    run = textwrap.dedent(f"""
+        import nbformat, nbclient
+        nb = nbformat.read({str(ROOT / 'notebooks' / '00_start_here.ipynb')!r}, as_version=4)
+        nbclient.NotebookClient(nb, timeout=600, kernel_name="python3").execute()
+        print("SETUP:", "".join(o.get("text", "") for o in nb.cells[1].outputs).strip())
+        print("CELLS:", sum(c.cell_type == "code" for c in nb.cells))
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "VIRTUAL_ENV"} and
+           not k.startswith("ZEROEDU_")}
+    env.update(HOME=str(tmp_path), ZEROEDU_SOURCE=str(course), PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}")
+    t0 = time.monotonic()
+    proc = subprocess.run([py, "-c", run], capture_output=True, text=True, timeout=1500, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"zeroedu installed from {course} into {course}, beside torch {MATRIX_TORCH}" in proc.stdout, proc.stdout
+    after = subprocess.run([py, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert after == before, (before, after)
+    print(f"fresh venv {before.split()[-1]}, torch {before.split()[0]}: notebook 00 ran in "
+          f"{time.monotonic() - t0:.0f} s (measured under load)")
