@@ -1,4 +1,4 @@
-"""Offload (zeroedu/offload/): CPU and NVMe tiers, on real gloo ranks and real files.
+"""Offload (zeroedu/engine/extras/offload/): CPU and NVMe tiers, on real gloo ranks and real files.
 
 References, none taken from the code under test: the same training without offload (bit for bit: offload
 changes where the bytes live, never the arithmetic, when the host runs torch's fused Adam, which is what the

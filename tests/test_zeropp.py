@@ -1,4 +1,4 @@
-"""ZeRO++ (zeroedu/zeropp.py): quantizer round trips, and 4 real gloo ranks as 2 "nodes" of 2.
+"""ZeRO++ (zeroedu/engine/extras/zeropp.py): quantizer round trips, and 4 real gloo ranks as 2 "nodes" of 2.
 
 References, none taken from the code under test: the error bound of symmetric block quantization written out
 here; plain stage 3 and a single-process run for losses; closed-form byte counts (below) computed from the

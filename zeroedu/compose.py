@@ -1,6 +1,6 @@
 """initialize(), and the one place where a stage and its extras become an engine class.
 
-Layering is one-way: zeroedu.engine (what every stage shares) <- zeroedu/stages/ (one file a stage) <- the extras
+Layering is one-way: zeroedu.engine (what every stage shares) <- zeroedu/engine/stages/ (one file a stage) <- the extras
 (zeroedu.offload, zeroedu.zeropp), each a mixin over a stage's public hooks <- this module, which composes them.
 Nothing below imports what is above it.
 """

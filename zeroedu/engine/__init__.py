@@ -1,7 +1,7 @@
 """The part of a training step that every ZeRO stage shares (zeroedu.compose builds an engine: initialize()).
 
 A stage decides where parameters, gradients and optimizer state live and which collectives move them
-(`zeroedu/stages/`). Everything else is here, once: precision, the loss scale, gradient accumulation,
+(`zeroedu/engine/stages/`). Everything else is here, once: precision, the loss scale, gradient accumulation,
 clipping by the global norm, the optimizer step on fp32 master weights, the ledger and the memory meter.
 
 The optimizer always steps a list of fp32 "master pieces": the whole model at stage 0, this rank's 1/N
@@ -54,7 +54,7 @@ def make_optimizer(cfg: Config, params: list[torch.Tensor]) -> torch.optim.Optim
 class Engine(DeepSpeedFacade):
     """What a training step is at every stage. Subclasses fill in where the bytes live.
 
-    The protocol: the hooks below are what a stage (zeroedu/stages/) and an extra (offload, ZeRO++, checkpoints,
+    The protocol: the hooks below are what a stage (zeroedu/engine/stages/) and an extra (offload, ZeRO++, checkpoints,
     the grader's adapters) override or call; each says its contract in its docstring. An extra uses these and
     public attributes only, never a `_name` of the engine or a stage (tests/test_protocol.py checks it).
 

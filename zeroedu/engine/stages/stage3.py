@@ -28,9 +28,9 @@ module's backward starts it, moments later) and both go in one round of transfer
 once for the two, the bytes and the ledger's entries are those of the two collectives.
 
 The parts: this file is the stage (its layout, shard, hooks and step); the units' states, fetch, release,
-prefetch, the live limit and the reuse distance are one coordinator (zeroedu/stages/units.py, UnitCoordinator),
+prefetch, the live limit and the reuse distance are one coordinator (zeroedu/engine/stages/units.py, UnitCoordinator),
 with a pluggable source of *how* a unit is gathered (GatherSource: ZeRO++ and offload change only that); the
-gradient buckets are zeroedu/stages/grad_buckets.py (GradBuckets).
+gradient buckets are zeroedu/engine/stages/grad_buckets.py (GradBuckets).
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ class UnitCoordinator:
     *When* a unit moves is decided here (the forward and backward hooks call pre_forward, post_forward,
     pre_backward; end_backward ends a backward), through the engine's verbs fetch, release, prefetch and
     start_gathers, which a subclass may override (exercise 6 overrides fetch and release). *How* its bytes arrive
-    is the source's (GatherSource). Gradients go through GradBuckets (zeroedu/stages/grad_buckets.py).
+    is the source's (GatherSource). Gradients go through GradBuckets (zeroedu/engine/stages/grad_buckets.py).
     """
 
     def __init__(self, engine, layout, units_of: dict, persistent: set[int], prefetch_numel: int, max_live: int,
