@@ -39,8 +39,8 @@ DeepSpeed's NVMe swapping of optimizer state lives in its stage-3 optimizer (ZeR
 offloads to the CPU only. zeroedu runs the NVMe tier at stages 1-3, so a config meant for DeepSpeed should pair
 "nvme" with stage 3.
 
-The package, one file per part: zeroedu/engine/extras/offload/swap.py (swap folders and files on NVMe), transfers.py (copies
-and file I/O, each a ledger entry; LINKS), optimizer.py (offload_optimizer), params.py (offload_param, and how
+The package, one file per part: swap.py (swap folders and files on NVMe), transfers.py (copies and file I/O, each
+a ledger entry; LINKS), optimizer.py (offload_optimizer), params.py (offload_param, and how
 the updated master reaches the parameters). This file composes OffloadMixin from them and holds what spans both
 tiers: setup, memory by tier, close, and the choice of CPU Adam.
 """
