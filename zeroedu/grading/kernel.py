@@ -29,7 +29,8 @@ import traceback
 from typing import Any
 
 CONFIG_PATH = "/run/zeroedu-grade/config.json"   # bound read-only into the sandbox by the grader
-EXCHANGE = ".zeroedu-exchange"                   # in the work folder: requests and answers
+EXCHANGE = ".zeroedu-exchange"                   # kept for old imports; the pipes no longer live in the work folder
+EXCHANGE_PATH = "/run/zeroedu-grade/exchange"    # the grader's folder of test pipes, bound read-only in the sandbox
 MAX_MESSAGE = 2000                               # characters of an exception message sent back
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NOT_LEARNER = tuple(p for p in {_PKG, sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
@@ -335,17 +336,17 @@ def answer(request: dict) -> dict:
         return {"error": _error(e)}
 
 
-def serve(token: str) -> None:
+def serve(token: str, folder: str = EXCHANGE_PATH) -> None:
     """Answer the grader's requests for one test cell, until it says it is done (a zero-length request).
 
-    Requests come through the named pipe `<token>.in` in the work folder (8-byte length, then a pickle written
-    by the grader: names of learner objects resolve here, see `user`), answers go back through `<token>.out`
+    Requests come through the named pipe `<token>.in` in the grader's exchange folder (8-byte length, then a
+    pickle written by the grader: names of learner objects resolve here, see `user`), answers go back through
+    `<token>.out`
     (8-byte length, then torch.save of plain data). An interrupt (the test's time limit) ends the loop."""
     import io
 
     import torch
 
-    folder = os.path.join(os.getcwd(), EXCHANGE)
     with open(os.path.join(folder, f"{token}.in"), "rb") as requests, \
             open(os.path.join(folder, f"{token}.out"), "wb") as answers:
         while True:
