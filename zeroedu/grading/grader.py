@@ -60,7 +60,7 @@ from zeroedu.grading.assembly import assemble, match_solution
 from zeroedu.grading.build import default_dir
 from zeroedu.grading.client import _cut
 from zeroedu.grading.link import kernel_exchange
-from zeroedu.grading.report import CSV_FIELDS, gradebook, table, write_csv
+from zeroedu.grading.report import CSV_FIELDS, gradebook, safe, sanitise, table, write_csv
 from zeroedu.grading.results import CellRun, ExerciseResult, Limits, TestResult
 from zeroedu.grading.runner import _Runner
 from zeroedu.grading.score import _refusals, full_points, score
@@ -195,7 +195,7 @@ def grade(paths: list[Path], solutions_dir: Path, limits: Limits, executed: Path
                 r.notes.append(_cut(sub.problem, limits.max_output))
             else:
                 if progress:
-                    print(f"grading {sub.learner}: {sub.path}", file=sys.stderr, flush=True)
+                    print(safe(f"grading {sub.learner}: {sub.path}", False), file=sys.stderr, flush=True)
                 r = grade_notebook(sub.copy, sub.learner, solutions, limits, Path(scratch), executed, options,
                                    shown_as=str(sub.path))
                 r.sha256 = sub.sha256
@@ -228,6 +228,7 @@ def grade(paths: list[Path], solutions_dir: Path, limits: Limits, executed: Path
                                                   notes=["no notebook for this exercise"]))
         order = {name: i for i, name in enumerate(learners)}
         results.sort(key=lambda r: (order[r.learner], r.exercise))
+    sanitise(results)
     return results
 
 

@@ -226,13 +226,14 @@ def _reachable(paths: list[Path], closed_parents: bool = True) -> list[str]:
 
 def hidden_paths(solutions: Path, inputs: list[Path], outputs: list[Path]) -> list[Path]:
     """What no sandbox may see: solutions (the folder given, the one beside the package, the package's git
-    history) and the submissions and reports of the run. A folder holding the Python environment or the
+    history), the course's tests (their fixtures hold correct answers) and the submissions and reports of the
+    run. A folder holding the Python environment or the
     package itself cannot be covered; its notebooks are covered one by one instead."""
     from zeroedu.grading.build import ROOT
 
     keep = [Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), ROOT / "zeroedu"]
     out: list[Path] = []
-    candidates = [solutions, ROOT / "solutions", *_git_dirs(ROOT), *inputs, *outputs]
+    candidates = [solutions, ROOT / "solutions", ROOT / "tests", *_git_dirs(ROOT), *inputs, *outputs]
     for path in candidates:
         path = Path(path).resolve()
         if not path.exists():
