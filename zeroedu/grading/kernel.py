@@ -25,7 +25,9 @@ import os
 import pickle
 import sys
 import sysconfig
+import threading
 import traceback
+import weakref
 from typing import Any
 
 CONFIG_PATH = "/run/zeroedu-grade/config.json"   # bound read-only into the sandbox by the grader
@@ -189,6 +191,66 @@ def learner_class(obj: Any) -> str | None:
     return None
 
 
+# -- who started a thread, who made an engine ------------------------------------------------------------------
+#
+# A worker thread's stack begins in threading's own code: zeropp.quantize submitted to a ThreadPoolExecutor from
+# a learner's function shows no learner frame when it runs. So every new thread remembers the learner frame
+# that was on the stack of the thread that started it (inherited by the threads it starts in turn), and a blocked
+# piece reached in that thread counts as reached by learner code. Likewise an engine object remembers whether
+# learner code made it: `self.__class__ = Stage1` in a learner's class turns it into zeroedu's class, but not
+# into an engine the grader made.
+
+_ORIGIN = threading.local()                                 # .where: the learner frame that started this thread
+_MADE_BY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # engine object -> learner who made it
+
+
+def thread_origin() -> str | None:
+    return getattr(_ORIGIN, "where", None)
+
+
+def _track_threads() -> None:
+    import _thread
+
+    start = _thread.start_new_thread
+    if getattr(start, "_zeroedu_blocked", False):
+        return
+
+    def start_new_thread(function: Any, args: tuple, kwargs: dict | None = None) -> int:
+        where = learner_on_stack() or thread_origin()
+
+        def run(*a: Any, **k: Any) -> Any:
+            _ORIGIN.where = where
+            return function(*a, **k)
+
+        return start(run, args, kwargs or {})
+
+    start_new_thread._zeroedu_blocked = True   # type: ignore[attr-defined]
+    _thread.start_new_thread = start_new_thread
+    threading._start_new_thread = start_new_thread   # type: ignore[attr-defined]  -- what Thread.start calls
+
+
+def _track_construction(cls: type) -> None:
+    init = cls.__init__
+    if getattr(init, "_zeroedu_blocked", False) and "__init__" in vars(cls):
+        return
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        who = learner_class(self) or learner_on_stack()
+        if who is not None:
+            with contextlib.suppress(TypeError):   # an object that takes no weak reference keeps no record
+                _MADE_BY.setdefault(self, who)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = _like(__init__, init)   # type: ignore[misc]
+
+
+def _made_by_learner(obj: Any) -> str | None:
+    try:
+        return _MADE_BY.get(obj)
+    except TypeError:
+        return None
+
+
 # -- what the learner must write ---------------------------------------------------------------------------------
 
 class WriteYourOwn(NotImplementedError):
@@ -220,7 +282,10 @@ def _block_method(cls: type, name: str, label: str) -> None:
         who = learner_class(self)
         if who is not None:
             raise WriteYourOwn(_message(label, f"your class {who}"))
-        where = learner_on_stack()
+        made = _made_by_learner(self)
+        if made is not None:
+            raise WriteYourOwn(_message(label, f"an object your code made ({made}), whatever its class now"))
+        where = learner_on_stack() or thread_origin()
         if where:
             raise WriteYourOwn(_message(label, f"your code ({where})"))
         return original(self, *args, **kwargs)
@@ -234,7 +299,7 @@ def _block_function(module: Any, name: str, label: str) -> None:
         return
 
     def blocked(*args: Any, **kwargs: Any) -> Any:
-        where = learner_on_stack()
+        where = learner_on_stack() or thread_origin()
         if where:
             raise WriteYourOwn(_message(label, f"your code ({where})"))
         return original(*args, **kwargs)
@@ -245,7 +310,10 @@ def _block_function(module: Any, name: str, label: str) -> None:
 def apply_blocks(targets: list[str] | None = None) -> list[str]:
     """Block each "module:Name" or "module:Class.method"; return the ones that do not exist (a stale list)."""
     missing = []
-    for target in config().get("blocks", []) if targets is None else targets:
+    targets = config().get("blocks", []) if targets is None else targets
+    if targets:
+        _track_threads()
+    for target in targets:
         module_name, _, qualname = target.partition(":")
         try:
             module = importlib.import_module(module_name)
@@ -260,6 +328,7 @@ def apply_blocks(targets: list[str] | None = None) -> list[str]:
         label = qualname if len(parts) > 1 else f"{module_name.rsplit('.', 1)[-1]}.{qualname}"
         if isinstance(owner, type):
             _block_method(owner, parts[-1], label)
+            _track_construction(owner)
         else:
             _block_function(owner, parts[-1], label)
     return missing

@@ -93,11 +93,11 @@ class QwzRun(Stage3Run):
                 if not math.isfinite(a):
                     raise AssertionError(f"{case.name}: the loss at step {step} is {a}: some weight decoded to nan or "
                                          "inf (a block of zeros divided by a zero scale?).")
-                if abs(a - b) > 1e-3 * abs(b):
+                if not abs(a - b) <= 1e-3 * abs(b):   # NaN-safe
                     raise AssertionError(f"{case.name}: the loss at step {step} is {a:.6f} with your quantizer, "
                                          f"{b:.6f} with the engine's: the weights the forward used differ (each "
                                          "block's scale is max|x| / 127 of that block).")
-                if abs(a - c) > 2e-2 * abs(c):
+                if not abs(a - c) <= 2e-2 * abs(c):
                     raise AssertionError(f"{case.name}: the loss at step {step} is {a:.6f}, unquantized training gets "
                                          f"{c:.6f}: more than 2% apart.")
             d, worst = dict_rel(self.ranks[i][0]["weights"], self.ranks[j][0]["weights"])
@@ -269,6 +269,6 @@ def check_roundtrip(quantize: Callable, dequantize: Callable,
                                  f"{float(per[k]):.6g} is {float(want[k]):.6g}. Each element uses the scale of its "
                                  "own block (and its own row).")
         err = float(((back - x).abs() - per / 2).max())
-        if err > 1e-6 * float(x.abs().max()):
+        if not err <= 1e-6 * float(x.abs().max()):   # NaN-safe: a NaN decode fails
             raise AssertionError(f"x of shape {list(x.shape)}, block={block}: an element decodes more than half a "
                                  "scale away from x.")
