@@ -273,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         solutions_dir = (args.solutions or default_dir("solutions")).resolve()
         outputs = [p for p in (args.json, args.csv, args.executed) if p is not None]
         options.hidden = sb.hidden_paths(solutions_dir, list(args.paths), outputs)
+        if not args.quiet:
+            print(f"zeroedu grade: {sb.cgroup_note()}", file=sys.stderr)
         options.sandbox_limits = sb.Limits(memory=int(args.memory_gb * 2**30), processes=args.max_processes,
                                            cpu_seconds=int(2 * args.notebook_timeout + 600))
     limits = Limits(args.timeout, args.notebook_timeout, args.max_output)
