@@ -8,7 +8,7 @@ a single-process run on the same global batch.
 
 `engine_for_rank(case)` runs on each rank and returns the engine class to build: a zeroedu stage with the
 learner's piece in it (a subclass the learner wrote, or an adapter in the exercise's module, such as
-zeroedu.grading.offload_step, that calls the learner's function where the real engine calls its own). The
+zeroedu.grading.exercises.offload_step, that calls the learner's function where the real engine calls its own). The
 harness puts a thin recorder on top of that class: it notes the reduced gradient handed to the optimizer step, and
 nothing else.
 
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from zeroedu.config import load_config
 from zeroedu.fmt import approx
-from zeroedu.grading.ranks import run_on_ranks
+from zeroedu.grading.exercises.ranks import run_on_ranks
 from zeroedu.grading.remote import in_kernel
 from zeroedu.models import MLP, Quirky, TinyGPT, TinyGPTConfig, gpt_batch, mlp_batch, quirky_batch, shard_batch
 from zeroedu.precision import DTYPES

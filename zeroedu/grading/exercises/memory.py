@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from zeroedu.grading.ranks import run_on_ranks
+from zeroedu.grading.exercises.ranks import run_on_ranks
 from zeroedu.grading.remote import in_kernel
 
 SIZES = (12, 24, 24, 6)

@@ -2,7 +2,7 @@
 
 The check_* functions test quantize_blocks and dequantize_blocks on their own (block scales, a shorter last
 block, blocks of zeros, the round trip). run_qwz trains stage 3 with qwZ on real gloo ranks
-(zeroedu.grading.training) with the learner's functions for the int8 weights, next to the engine's own.
+(zeroedu.grading.exercises.training) with the learner's functions for the int8 weights, next to the engine's own.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from zeroedu.fmt import approx
-from zeroedu.grading.ranks import not_implemented
+from zeroedu.grading.exercises.ranks import not_implemented
+from zeroedu.grading.exercises.stage3_gather import Stage3Run, _gathers
+from zeroedu.grading.exercises.training import Case, dict_rel, train_on_ranks
 from zeroedu.grading.remote import in_kernel
-from zeroedu.grading.stage3_gather import Stage3Run, _gathers
-from zeroedu.grading.training import Case, dict_rel, train_on_ranks
 
 QUANT_CALLS = {"quantize": 0, "dequantize": 0}
 QWZ_BLOCK = 64
@@ -86,7 +86,7 @@ class QwzRun(Stage3Run):
             calls = self.ranks[i][0]["quant_calls"]
             if not calls["quantize"] or not calls["dequantize"]:
                 raise AssertionError(f"{case.name}: your functions were never called (the engine no longer calls "
-                                     "its quantizer: zeroedu.grading.qwz_quantize needs updating).")
+                                     "its quantizer: zeroedu.grading.exercises.qwz_quantize needs updating).")
             mine = [sum(r["losses"][s] for r in self.ranks[i]) / case.world_size for s in range(case.steps)]
             theirs = [sum(r["losses"][s] for r in self.ranks[j]) / case.world_size for s in range(case.steps)]
             for step, (a, b, c) in enumerate(zip(mine, theirs, self.refs[i]["losses"], strict=True)):

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from zeroedu.grading.ranks import not_implemented
-from zeroedu.grading.training import Case
+from zeroedu.grading.exercises.ranks import not_implemented
+from zeroedu.grading.exercises.training import Case
 from zeroedu.stages import Stage1, Stage2, Stage3
 
 
