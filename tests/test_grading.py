@@ -1159,3 +1159,15 @@ def test_ex04_step_that_ignores_the_clipping_coefficient_loses_the_hidden_test(t
     assert not hidden.passed and "SGD, fp32, clipping, 2 ranks" in hidden.message, hidden.message
     assert r.points == _without("ex04_stage1_sharding", "ex04-hidden-stage1"), [(t.grade_id, t.message[:200])
                                                                                 for t in r.tests]
+
+
+@pytest.mark.timeout(600)
+def test_a_rebound_harness_collector_returns_no_made_up_numbers(tmp_path):
+    path = make_submission("ex01_memory_formulas", "boundary/ex01_rebinds_collector.cells", tmp_path / "forger")
+    r = grader.grade([path], SOLUTIONS, grader.Limits(cell_timeout=60), progress=False,
+                     options=_sandboxed_or_trusted([path]))[0]
+    live = _by_id(r)["ex01-test-live"]
+    assert not live.passed, live   # made-up numbers that agree with the wrong formula do not pass
+    assert any("was replaced by code of yours" in n for n in r.notes) or "was replaced" in live.message, \
+        (live.message, r.notes)
+    assert r.points == _without("ex01_memory_formulas", "ex01-test-table1", "ex01-hidden-formulas", "ex01-test-live")

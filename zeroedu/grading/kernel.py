@@ -394,12 +394,43 @@ def _error(e: BaseException) -> dict:
             "message": str(e)[:MAX_MESSAGE], "where": where}
 
 
+def _code_names(code: Any) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, type(code)):
+            names |= _code_names(const)
+    return names
+
+
+def check_harness(fn: Any) -> None:
+    """The grader's own harness function (in_kernel), as pickle found it here by name: it must still be
+    zeroedu's code, and so must the zeroedu functions and classes it names in its module. A learner who rebinds
+    `zeroedu.grading.exercises.training._collect` (or the `run_on_ranks` it calls) to return made-up rows gets
+    this error, not the rows. (Deeper rebinding, inside what those call, is beyond this check.)"""
+    code = getattr(fn, "__code__", None)
+    if code is None or not is_library_code(code):
+        raise WriteYourOwn(f"the grader's harness function {getattr(fn, '__qualname__', fn)!r} was replaced by "
+                           "code of yours in this kernel: the grader does not trust what it returns")
+    globs = getattr(fn, "__globals__", {})
+    for name in _code_names(code):
+        value = globs.get(name)
+        target = getattr(value, "__func__", value)
+        if isinstance(target, type):
+            if _is_learner_class(target):
+                raise WriteYourOwn(f"{name}, which the grader's harness uses, was replaced by a class of yours")
+        elif isinstance(getattr(target, "__code__", None), type(code)) and not is_library_code(target.__code__):
+            raise WriteYourOwn(f"{name}, which the grader's harness uses, was replaced by code of yours in this "
+                               "kernel: the grader does not trust what it returns")
+
+
 def answer(request: dict) -> dict:
     """Call what the grader's request names; {"value": plain data} or {"error": what was raised}."""
     try:
         fn = request["fn"]
         if isinstance(fn, str):
             fn = user(fn)
+        else:   # a harness function, sent by reference: still zeroedu's own?
+            check_harness(fn)
         return {"value": plain(fn(*request["args"], **request["kwargs"]))}
     except BaseException as e:  # noqa: BLE001 -- KeyboardInterrupt too: the grader's time limit interrupted it
         return {"error": _error(e)}
