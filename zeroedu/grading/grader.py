@@ -30,6 +30,12 @@ How a notebook is graded:
    a test gets a few seconds less than the cell (ZEROEDU_TEST_TIMEOUT), so deadlocked ranks end with launch's
    own report of which rank is not in the collective.
 
+5. One notebook never costs the others: whatever goes wrong while it is graded (the grader's own code failing on
+   a malformed notebook included) gives that notebook 0 with the reason, status "grader error", and the run goes
+   on; a FIFO, a link or a file over MAX_NOTEBOOK_BYTES is refused unread; every scratch folder is removed on
+   every exit path (SIGTERM included) by scratch.remove_tree, and every learner-controlled string is escaped
+   (report.safe) before the table, the JSON and the CSV.
+
 Without bubblewrap, grading refuses unless --trusted is given: then there is no sandbox, only the audit hook of
 guard/sitecustomize.py, which stops accidents, not attacks (for learners grading their own notebooks).
 
