@@ -51,6 +51,19 @@ OLD_TO_NEW = {
     "zeroedu.tour": "zeroedu.course.tour",
     "zeroedu.graduate": "zeroedu.course.graduate",
     "zeroedu.course_big": "zeroedu.course.big_models",
+    # the per-exercise harnesses that know the engine, now beside the sandboxed grader rather than inside it
+    "zeroedu.grading.engines": "zeroedu.grading.exercises.engines",
+    "zeroedu.grading.ring": "zeroedu.grading.exercises.ring",
+    "zeroedu.grading.training": "zeroedu.grading.exercises.training",
+    "zeroedu.grading.memory": "zeroedu.grading.exercises.memory",
+    "zeroedu.grading.stage1_sharding": "zeroedu.grading.exercises.stage1_sharding",
+    "zeroedu.grading.stage2_accumulation": "zeroedu.grading.exercises.stage2_accumulation",
+    "zeroedu.grading.stage3_gather": "zeroedu.grading.exercises.stage3_gather",
+    "zeroedu.grading.offload_step": "zeroedu.grading.exercises.offload_step",
+    "zeroedu.grading.qwz_quantize": "zeroedu.grading.exercises.qwz_quantize",
+    "zeroedu.grading.ddp_buckets": "zeroedu.grading.exercises.ddp_buckets",
+    "zeroedu.grading.learner_code": "zeroedu.grading.exercises.learner_code",
+    "zeroedu.grading.ranks": "zeroedu.grading.exercises.ranks",
 }
 
 

@@ -121,10 +121,18 @@ class _Client(NotebookClient):
 
 class _LogPipe:
     """A pipe for the kernel's stdout and stderr, copied into a file by a thread of the grader: the guard's
-    refusals written there stay, whatever the learner's code does to its own file descriptors."""
+    refusals written there stay, whatever the learner's code does to its own file descriptors. The file keeps the
+    first LOG_BYTES and memory the last TAIL_BYTES (for "the kernel's last message"); the rest of a flood of fd 2
+    is read and dropped, so it costs the grader neither memory nor disk."""
+
+    LOG_BYTES = 4 * 2**20
+    TAIL_BYTES = 64 * 2**10
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.received = 0          # bytes the kernel wrote in all
+        self.tail = b""            # the last TAIL_BYTES of them
+        self.lock = threading.Lock()
         read, self.fd = os.pipe()
         self.thread = threading.Thread(target=self._drain, args=(read,), daemon=True, name="zeroedu-kernel-log")
         self.thread.start()
@@ -132,8 +140,19 @@ class _LogPipe:
     def _drain(self, read: int) -> None:
         with open(self.path, "ab") as out, open(read, "rb", buffering=0) as pipe:
             while chunk := pipe.read(65536):
-                out.write(chunk)
-                out.flush()
+                room = self.LOG_BYTES - out.tell()
+                if room > 0:
+                    out.write(chunk[:room])
+                    out.flush()
+                with self.lock:
+                    self.received += len(chunk)
+                    self.tail = (self.tail + chunk)[-self.TAIL_BYTES:]
+
+    def since(self, offset: int) -> bytes:
+        """What the kernel wrote after `offset` bytes, at most the last TAIL_BYTES of it."""
+        with self.lock:
+            return self.tail[-max(0, min(self.received - offset, len(self.tail))):] if self.received > offset \
+                else b""
 
     def started(self) -> None:
         """The kernel has its copy: close ours, so the pipe ends when the kernel and its children do."""

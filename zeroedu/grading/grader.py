@@ -30,6 +30,12 @@ How a notebook is graded:
    a test gets a few seconds less than the cell (ZEROEDU_TEST_TIMEOUT), so deadlocked ranks end with launch's
    own report of which rank is not in the collective.
 
+5. One notebook never costs the others: whatever goes wrong while it is graded (the grader's own code failing on
+   a malformed notebook included) gives that notebook 0 with the reason, status "grader error", and the run goes
+   on; a FIFO, a link or a file over MAX_NOTEBOOK_BYTES is refused unread; every scratch folder is removed on
+   every exit path (SIGTERM included) by scratch.remove_tree, and every learner-controlled string is escaped
+   (report.safe) before the table, the JSON and the CSV.
+
 Without bubblewrap, grading refuses unless --trusted is given: then there is no sandbox, only the audit hook of
 guard/sitecustomize.py, which stops accidents, not attacks (for learners grading their own notebooks).
 
@@ -46,9 +52,11 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,10 +66,11 @@ from zeroedu.grading.assembly import assemble, match_solution
 from zeroedu.grading.build import default_dir
 from zeroedu.grading.client import _cut
 from zeroedu.grading.link import kernel_exchange
-from zeroedu.grading.report import CSV_FIELDS, gradebook, table, write_csv
+from zeroedu.grading.report import CSV_FIELDS, gradebook, safe, sanitise, table, write_csv
 from zeroedu.grading.results import CellRun, ExerciseResult, Limits, TestResult
 from zeroedu.grading.runner import _Runner
 from zeroedu.grading.score import _refusals, full_points, score
+from zeroedu.grading.scratch import remove_tree
 from zeroedu.grading.source import forged_answers, grader_names, places, shadowed_engine_names
 from zeroedu.grading.submissions import Submission, collect, guess_exercise, load_solutions, newest_only, stage
 
@@ -119,19 +128,24 @@ def grade_notebook(path: Path, learner: str, solutions: dict[str, Any], limits: 
     nb = assemble(submission, solutions[name])
     for i, why in forged_answers(nb, solutions[name]).items():
         nb.cells[i].metadata["zeroedu_grade"]["refused"] = _cut(why, limits.max_output)
-    workdir = Path(tempfile.mkdtemp(prefix="nb-", dir=scratch))
-    private = Path(tempfile.mkdtemp(prefix="grader-", dir=scratch))
-    shutil.copyfile(path, workdir / Path(shown).name)
-    blocks = solutions[name].metadata.get("zeroedu", {}).get("write_your_own", [])
-    (private / "config.json").write_text(json.dumps({"blocks": blocks}), encoding="utf-8")
-    box = None
-    if not options.trusted:
-        box = sb.Sandbox(workdir, Path(tempfile.mkdtemp(prefix="ipc-", dir=scratch)), private / "config.json",
-                         options.hidden, options.sandbox_limits or sb.Limits())
-    runner = _Runner(nb, workdir, private, limits, box)
-    runner.run()
+    folders = [Path(tempfile.mkdtemp(prefix=p, dir=scratch)) for p in ("nb-", "grader-", "ipc-")]
+    workdir, private, ipc = folders
+    try:
+        shutil.copyfile(path, workdir / Path(shown).name)
+        blocks = solutions[name].metadata.get("zeroedu", {}).get("write_your_own", [])
+        (private / "config.json").write_text(json.dumps({"blocks": blocks}), encoding="utf-8")
+        box = None
+        if not options.trusted:
+            box = sb.Sandbox(workdir, ipc, private / "config.json", options.hidden,
+                             options.sandbox_limits or sb.Limits())
+        runner = _Runner(nb, workdir, private, limits, box)
+        runner.run()
+        refusals = _refusals(private)
+    finally:   # the learner's copy goes as soon as its notebook is graded, whatever happened
+        for folder in folders:
+            remove_tree(folder)
     result.tests, notes = score(nb, runner.runs)
-    result.notes = notes + runner.notes + _refusals(private)
+    result.notes = notes + runner.notes + refusals
     if runner.truncated:
         result.notes.append(f"printed more than {limits.max_output} bytes; the rest of the output was dropped")
     result.notes += shadowed_engine_names(nb, submission)
@@ -144,6 +158,10 @@ def grade_notebook(path: Path, learner: str, solutions: dict[str, Any], limits: 
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(nbtools.write_text(nb), encoding="utf-8")
     return result
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _cap_messages(result: ExerciseResult, limit: int) -> None:
@@ -159,16 +177,31 @@ def grade(paths: list[Path], solutions_dir: Path, limits: Limits, executed: Path
     options = options or default_options(solutions_dir, paths, executed)
     pairs = collect(paths)
     results: list[ExerciseResult] = []
-    with tempfile.TemporaryDirectory(prefix="zeroedu-grade-") as scratch:
+    scratch = tempfile.mkdtemp(prefix="zeroedu-grade-")
+    try:
         subs, dropped = newest_only(stage(pairs, solutions, Path(scratch) / "submissions"))
 
         def one(sub: Submission) -> ExerciseResult:
+            try:
+                return graded(sub)
+            except Exception as e:   # the grader's own failure on this notebook: 0 for it, the others go on
+                r = ExerciseResult(sub.learner, sub.exercise or sub.path.stem, str(sub.path), "grader error")
+                where = traceback.extract_tb(e.__traceback__)[-1]
+                r.notes.append(_cut(f"the grader could not grade this notebook ({type(e).__name__}: {e}, at "
+                                    f"{Path(where.filename).name}:{where.lineno}); it scores 0: check that it "
+                                    "is the exercise notebook you were given, or ask your instructor",
+                                    limits.max_output))
+                if sub.exercise in solutions:
+                    r.max_points = full_points(solutions[sub.exercise])
+                return r
+
+        def graded(sub: Submission) -> ExerciseResult:
             if sub.problem or sub.copy is None:
                 r = ExerciseResult(sub.learner, sub.exercise or sub.path.stem, str(sub.path), "refused")
                 r.notes.append(_cut(sub.problem, limits.max_output))
             else:
                 if progress:
-                    print(f"grading {sub.learner}: {sub.path}", file=sys.stderr, flush=True)
+                    print(safe(f"grading {sub.learner}: {sub.path}", False), file=sys.stderr, flush=True)
                 r = grade_notebook(sub.copy, sub.learner, solutions, limits, Path(scratch), executed, options,
                                    shown_as=str(sub.path))
                 r.sha256 = sub.sha256
@@ -186,6 +219,10 @@ def grade(paths: list[Path], solutions_dir: Path, limits: Limits, executed: Path
                 results = list(pool.map(one, subs))
         else:
             results = [one(sub) for sub in subs]
+    finally:
+        left = remove_tree(Path(scratch))
+        if left and progress:
+            print(f"zeroedu grade: {left}", file=sys.stderr)
     learners = list(dict.fromkeys(learner for learner, _ in pairs))
     if len(learners) > 1:  # a gradebook: every learner gets a row for every exercise someone handed in
         seen = list(dict.fromkeys(r.exercise for r in results if r.exercise in solutions))
@@ -197,6 +234,7 @@ def grade(paths: list[Path], solutions_dir: Path, limits: Limits, executed: Path
                                                   notes=["no notebook for this exercise"]))
         order = {name: i for i, name in enumerate(learners)}
         results.sort(key=lambda r: (order[r.learner], r.exercise))
+    sanitise(results)
     return results
 
 
@@ -241,15 +279,21 @@ def main(argv: list[str] | None = None) -> int:
         solutions_dir = (args.solutions or default_dir("solutions")).resolve()
         outputs = [p for p in (args.json, args.csv, args.executed) if p is not None]
         options.hidden = sb.hidden_paths(solutions_dir, list(args.paths), outputs)
+        if not args.quiet:
+            print(f"zeroedu grade: {sb.cgroup_note()}", file=sys.stderr)
         options.sandbox_limits = sb.Limits(memory=int(args.memory_gb * 2**30), processes=args.max_processes,
                                            cpu_seconds=int(2 * args.notebook_timeout + 600))
     limits = Limits(args.timeout, args.notebook_timeout, args.max_output)
+    # Stopped from outside (timeout(1), a scheduler): unwind, so that scratch copies are removed.
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         results = grade(args.paths, args.solutions or default_dir("solutions"), limits, args.executed,
                         progress=not args.quiet, options=options, jobs=args.jobs)
     except FileNotFoundError as e:
         print(f"zeroedu grade: {e}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if not results:
         print("zeroedu grade: no notebooks found in " + ", ".join(map(str, args.paths)), file=sys.stderr)
         return 2

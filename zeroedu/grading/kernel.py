@@ -25,11 +25,14 @@ import os
 import pickle
 import sys
 import sysconfig
+import threading
 import traceback
+import weakref
 from typing import Any
 
 CONFIG_PATH = "/run/zeroedu-grade/config.json"   # bound read-only into the sandbox by the grader
-EXCHANGE = ".zeroedu-exchange"                   # in the work folder: requests and answers
+EXCHANGE = ".zeroedu-exchange"                   # kept for old imports; the pipes no longer live in the work folder
+EXCHANGE_PATH = "/run/zeroedu-grade/exchange"    # the grader's folder of test pipes, bound read-only in the sandbox
 MAX_MESSAGE = 2000                               # characters of an exception message sent back
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NOT_LEARNER = tuple(p for p in {_PKG, sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
@@ -188,6 +191,66 @@ def learner_class(obj: Any) -> str | None:
     return None
 
 
+# -- who started a thread, who made an engine ------------------------------------------------------------------
+#
+# A worker thread's stack begins in threading's own code: zeropp.quantize submitted to a ThreadPoolExecutor from
+# a learner's function shows no learner frame when it runs. So every new thread remembers the learner frame
+# that was on the stack of the thread that started it (inherited by the threads it starts in turn), and a blocked
+# piece reached in that thread counts as reached by learner code. Likewise an engine object remembers whether
+# learner code made it: `self.__class__ = Stage1` in a learner's class turns it into zeroedu's class, but not
+# into an engine the grader made.
+
+_ORIGIN = threading.local()                                 # .where: the learner frame that started this thread
+_MADE_BY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # engine object -> learner who made it
+
+
+def thread_origin() -> str | None:
+    return getattr(_ORIGIN, "where", None)
+
+
+def _track_threads() -> None:
+    import _thread
+
+    start = _thread.start_new_thread
+    if getattr(start, "_zeroedu_blocked", False):
+        return
+
+    def start_new_thread(function: Any, args: tuple, kwargs: dict | None = None) -> int:
+        where = learner_on_stack() or thread_origin()
+
+        def run(*a: Any, **k: Any) -> Any:
+            _ORIGIN.where = where
+            return function(*a, **k)
+
+        return start(run, args, kwargs or {})
+
+    start_new_thread._zeroedu_blocked = True   # type: ignore[attr-defined]
+    _thread.start_new_thread = start_new_thread
+    threading._start_new_thread = start_new_thread   # type: ignore[attr-defined]  -- what Thread.start calls
+
+
+def _track_construction(cls: type) -> None:
+    init = cls.__init__
+    if getattr(init, "_zeroedu_blocked", False) and "__init__" in vars(cls):
+        return
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        who = learner_class(self) or learner_on_stack()
+        if who is not None:
+            with contextlib.suppress(TypeError):   # an object that takes no weak reference keeps no record
+                _MADE_BY.setdefault(self, who)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = _like(__init__, init)   # type: ignore[misc]
+
+
+def _made_by_learner(obj: Any) -> str | None:
+    try:
+        return _MADE_BY.get(obj)
+    except TypeError:
+        return None
+
+
 # -- what the learner must write ---------------------------------------------------------------------------------
 
 class WriteYourOwn(NotImplementedError):
@@ -219,7 +282,10 @@ def _block_method(cls: type, name: str, label: str) -> None:
         who = learner_class(self)
         if who is not None:
             raise WriteYourOwn(_message(label, f"your class {who}"))
-        where = learner_on_stack()
+        made = _made_by_learner(self)
+        if made is not None:
+            raise WriteYourOwn(_message(label, f"an object your code made ({made}), whatever its class now"))
+        where = learner_on_stack() or thread_origin()
         if where:
             raise WriteYourOwn(_message(label, f"your code ({where})"))
         return original(self, *args, **kwargs)
@@ -233,7 +299,7 @@ def _block_function(module: Any, name: str, label: str) -> None:
         return
 
     def blocked(*args: Any, **kwargs: Any) -> Any:
-        where = learner_on_stack()
+        where = learner_on_stack() or thread_origin()
         if where:
             raise WriteYourOwn(_message(label, f"your code ({where})"))
         return original(*args, **kwargs)
@@ -244,7 +310,10 @@ def _block_function(module: Any, name: str, label: str) -> None:
 def apply_blocks(targets: list[str] | None = None) -> list[str]:
     """Block each "module:Name" or "module:Class.method"; return the ones that do not exist (a stale list)."""
     missing = []
-    for target in config().get("blocks", []) if targets is None else targets:
+    targets = config().get("blocks", []) if targets is None else targets
+    if targets:
+        _track_threads()
+    for target in targets:
         module_name, _, qualname = target.partition(":")
         try:
             module = importlib.import_module(module_name)
@@ -259,6 +328,7 @@ def apply_blocks(targets: list[str] | None = None) -> list[str]:
         label = qualname if len(parts) > 1 else f"{module_name.rsplit('.', 1)[-1]}.{qualname}"
         if isinstance(owner, type):
             _block_method(owner, parts[-1], label)
+            _track_construction(owner)
         else:
             _block_function(owner, parts[-1], label)
     return missing
@@ -324,28 +394,59 @@ def _error(e: BaseException) -> dict:
             "message": str(e)[:MAX_MESSAGE], "where": where}
 
 
+def _code_names(code: Any) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, type(code)):
+            names |= _code_names(const)
+    return names
+
+
+def check_harness(fn: Any) -> None:
+    """The grader's own harness function (in_kernel), as pickle found it here by name: it must still be
+    zeroedu's code, and so must the zeroedu functions and classes it names in its module. A learner who rebinds
+    `zeroedu.grading.exercises.training._collect` (or the `run_on_ranks` it calls) to return made-up rows gets
+    this error, not the rows. (Deeper rebinding, inside what those call, is beyond this check.)"""
+    code = getattr(fn, "__code__", None)
+    if code is None or not is_library_code(code):
+        raise WriteYourOwn(f"the grader's harness function {getattr(fn, '__qualname__', fn)!r} was replaced by "
+                           "code of yours in this kernel: the grader does not trust what it returns")
+    globs = getattr(fn, "__globals__", {})
+    for name in _code_names(code):
+        value = globs.get(name)
+        target = getattr(value, "__func__", value)
+        if isinstance(target, type):
+            if _is_learner_class(target):
+                raise WriteYourOwn(f"{name}, which the grader's harness uses, was replaced by a class of yours")
+        elif isinstance(getattr(target, "__code__", None), type(code)) and not is_library_code(target.__code__):
+            raise WriteYourOwn(f"{name}, which the grader's harness uses, was replaced by code of yours in this "
+                               "kernel: the grader does not trust what it returns")
+
+
 def answer(request: dict) -> dict:
     """Call what the grader's request names; {"value": plain data} or {"error": what was raised}."""
     try:
         fn = request["fn"]
         if isinstance(fn, str):
             fn = user(fn)
+        else:   # a harness function, sent by reference: still zeroedu's own?
+            check_harness(fn)
         return {"value": plain(fn(*request["args"], **request["kwargs"]))}
     except BaseException as e:  # noqa: BLE001 -- KeyboardInterrupt too: the grader's time limit interrupted it
         return {"error": _error(e)}
 
 
-def serve(token: str) -> None:
+def serve(token: str, folder: str = EXCHANGE_PATH) -> None:
     """Answer the grader's requests for one test cell, until it says it is done (a zero-length request).
 
-    Requests come through the named pipe `<token>.in` in the work folder (8-byte length, then a pickle written
-    by the grader: names of learner objects resolve here, see `user`), answers go back through `<token>.out`
+    Requests come through the named pipe `<token>.in` in the grader's exchange folder (8-byte length, then a
+    pickle written by the grader: names of learner objects resolve here, see `user`), answers go back through
+    `<token>.out`
     (8-byte length, then torch.save of plain data). An interrupt (the test's time limit) ends the loop."""
     import io
 
     import torch
 
-    folder = os.path.join(os.getcwd(), EXCHANGE)
     with open(os.path.join(folder, f"{token}.in"), "rb") as requests, \
             open(os.path.join(folder, f"{token}.out"), "wb") as answers:
         while True:

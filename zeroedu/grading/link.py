@@ -61,7 +61,7 @@ class _KernelLink:
         self.deadline = deadline
         self.status = "ok"
         self.detail = ""
-        self.folder = runner.workdir / kernel_exchange()
+        self.folder = runner.exchange   # the grader's own folder: nothing in it is the learner's to name
         self.future: Any = None
         self.requests = -1
         self.answers = -1
@@ -69,13 +69,15 @@ class _KernelLink:
 
     def _start(self) -> None:
         token = os.urandom(8).hex()
-        self.folder.mkdir(exist_ok=True)
         paths = [self.folder / f"{token}.{end}" for end in ("in", "out")]
-        for path in paths:
-            os.mkfifo(path, 0o666)
-            os.chmod(path, 0o666)   # the kernel may run as another user
+        uid = getattr(self.runner.sandbox, "uid", -1)
+        for path in paths:   # in a folder only the grader writes: no link or race can redirect these calls
+            os.mkfifo(path, 0o600)
+            if uid >= 0:
+                os.chown(path, uid, uid, follow_symlinks=False)   # the kernel runs as the sandbox's own user
         assert self.runner.loop is not None
         self.future = asyncio.run_coroutine_threadsafe(self.runner.serve(token, self.deadline), self.runner.loop)
+        self.paths = paths
         self.answers = os.open(paths[1], os.O_RDONLY | os.O_NONBLOCK)
         while True:   # the write end opens once the kernel has opened the read end
             try:
@@ -85,8 +87,6 @@ class _KernelLink:
                 if self.future.done() or time.monotonic() > self.deadline:
                     self._ended()
                 time.sleep(0.005)
-        os.set_blocking(self.requests, True)
-        self.paths = paths   # removed in close(): the kernel may not have opened the answer pipe yet
 
     def _ended(self) -> None:
         status, detail = self.future.result() if self.future is not None and self.future.done() else \
@@ -111,6 +111,25 @@ class _KernelLink:
                 self._wait_end()
         return bytes(out)
 
+    def _write(self, data: bytes) -> bool:
+        """Write to the request pipe before the deadline; False if the kernel stopped reading (its code may have
+        filled the pipe itself and kept it open: a blocking write would wait forever)."""
+        view = memoryview(data)
+        while view:
+            left = self.deadline - time.monotonic()
+            if left <= 0 or (self.future is not None and self.future.done()):
+                return False
+            _, ready, _ = select.select([], [self.requests], [], min(left, 0.5))
+            if not ready:
+                continue
+            try:
+                view = view[os.write(self.requests, view[:65536]):]
+            except BlockingIOError:
+                continue
+            except OSError:
+                return False
+        return True
+
     def _wait_end(self) -> None:
         if self.future is not None:
             with contextlib.suppress(Exception):
@@ -124,9 +143,7 @@ class _KernelLink:
         if self.future is None:
             self._start()
         data = pickle.dumps({"fn": fn, "args": tuple(args), "kwargs": dict(kwargs)})
-        try:
-            os.write(self.requests, len(data).to_bytes(8, "big") + data)
-        except OSError:
+        if not self._write(len(data).to_bytes(8, "big") + data):
             self._wait_end()
         size = int.from_bytes(self._read(8), "big")
         if size > remote.MAX_ANSWER_BYTES:
@@ -138,7 +155,7 @@ class _KernelLink:
         """Tell the kernel's loop this test is done, and wait for its cell to end."""
         if self.future is None:
             return
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):   # never blocks: a full pipe means the kernel's loop is not reading
             os.write(self.requests, (0).to_bytes(8, "big"))
         for fd in (self.requests, self.answers):
             with contextlib.suppress(OSError):

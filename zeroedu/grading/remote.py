@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 MAX_ANSWER_BYTES = 512 * 2**20   # an answer file larger than this is refused, unread
+MAX_ANSWER_ITEMS = 1_000_000     # values (list items, dict entries, tensors...) an answer may unfold into
 
 _local = threading.local()
 
@@ -105,28 +106,64 @@ class Object:
         return f"<{self.type_name} object>"
 
 
-def unplain(x: Any, ns: dict | None = None) -> Any:
+class _Budget:
+    """How many more values an answer may unfold into. A pickle can share one list many times over (a few KB
+    that stand for 2**40 items): walking it must stop, not take the grader's memory and hours."""
+
+    def __init__(self, items: int = MAX_ANSWER_ITEMS) -> None:
+        self.left = items
+
+    def take(self) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise KernelUnavailable(f"your code returned more than {MAX_ANSWER_ITEMS} values (lists sharing "
+                                    "lists count once per place they appear); the grader stopped reading it")
+
+
+def unplain(x: Any, ns: dict | None = None, budget: _Budget | None = None, depth: int = 0) -> Any:
     """The kernel's plain data back as the objects a test expects (named tuples by their name in `ns`)."""
+    budget = budget or _Budget()
+    budget.take()
+    if depth > 100:
+        raise KernelUnavailable("your code returned data nested more than 100 levels deep")
     if isinstance(x, dict):
         if set(x) == {"__object__"}:
-            return Object(str(x["__object__"]))
+            return Object(str(x["__object__"])[:200])
         if set(x) == {"__namedtuple__", "fields", "values"}:
             name, fields = str(x["__namedtuple__"]), [str(f) for f in x["fields"]]
-            values = [unplain(v, ns) for v in x["values"]]
+            values = [unplain(v, ns, budget, depth + 1) for v in x["values"]]
             cls = (ns or {}).get(name) if ns is not None and name in ns else None
             if not (isinstance(cls, type) and issubclass(cls, tuple) and list(getattr(cls, "_fields", ())) == fields):
                 cls = collections.namedtuple(name, fields)  # type: ignore[misc]
             return cls(*values)
-        return {k: unplain(v, ns) for k, v in x.items()}
+        return {k: unplain(v, ns, budget, depth + 1) for k, v in x.items()}
     if isinstance(x, list):
-        return [unplain(v, ns) for v in x]
+        return [unplain(v, ns, budget, depth + 1) for v in x]
     if isinstance(x, tuple):
-        return tuple(unplain(v, ns) for v in x)
+        return tuple(unplain(v, ns, budget, depth + 1) for v in x)
     return x
+
+
+def _check_archive(data: bytes) -> None:
+    """torch.save writes an uncompressed zip; torch.load would inflate a compressed one whatever its size. Only
+    stored (uncompressed) members, adding up to no more than the bytes received, are loaded."""
+    import io
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError):
+        raise KernelUnavailable("the kernel's answer is not an archive torch.save writes") from None
+    if len(members) > 100_000 or any(m.compress_type != zipfile.ZIP_STORED for m in members) or \
+            sum(m.file_size for m in members) > len(data):
+        raise KernelUnavailable("the kernel's answer is a compressed or inflated archive; torch.save never "
+                                "writes one, so the grader does not read it")
 
 
 def raise_remote(error: dict, cap: int) -> None:
     """Re-raise the learner's exception here: Python's own types as themselves, others as LearnerError."""
+    error = {k: v if isinstance(v, str | bool) else "?" for k, v in error.items()}   # never str() of a structure
     name = str(error.get("type", "Exception"))[:100]
     message = str(error.get("message", ""))[:cap]
     cls = getattr(builtins, name, None) if error.get("builtin") else None
@@ -149,6 +186,7 @@ def decode_answer(data: bytes, cap: int, ns: dict | None) -> Any:
 
     import torch
 
+    _check_archive(data)
     try:
         answer = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:

@@ -3,10 +3,35 @@
 from __future__ import annotations
 
 import csv
+import unicodedata
 from dataclasses import asdict
 from pathlib import Path
 
 from zeroedu.grading.results import ExerciseResult
+
+
+def safe(text: str, newlines: bool = True) -> str:
+    """`text` with every control and format character written out (\\x1b, \\u202e...): a learner's file name or
+    message must not move the instructor's cursor, recolour the terminal, reorder a line or start a fake row.
+    Newlines and tabs stay in messages (newlines=True), never in names."""
+    out = []
+    for ch in str(text):
+        if ch in "\n\t" and newlines:
+            out.append(ch)
+        elif unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"):
+            out.append(ascii(ch)[1:-1])
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def sanitise(results: list[ExerciseResult]) -> None:
+    """Every learner-controlled string of the results through safe(), in place: before the table, JSON and CSV."""
+    for r in results:
+        r.learner, r.exercise, r.path = safe(r.learner, False), safe(r.exercise, False), safe(r.path, False)
+        r.notes = [safe(n, False) for n in r.notes]   # one line each: no forged row
+        for t in r.tests:
+            t.name, t.message = safe(t.name), safe(t.message)
 
 
 def _num(x: float) -> str:
@@ -16,8 +41,8 @@ def _num(x: float) -> str:
 def table(results: list[ExerciseResult], width: int = 70) -> str:
     rows = [("learner", "exercise", "points", "tests", "first failure")]
     for r in results:
-        failure = r.first_failure.replace("\n", " ")
-        rows.append((r.learner, r.exercise, f"{_num(r.points)}/{_num(r.max_points)}",
+        failure = safe(r.first_failure.replace("\n", " ").replace("\t", " "), newlines=False)
+        rows.append((safe(r.learner, False), safe(r.exercise, False), f"{_num(r.points)}/{_num(r.max_points)}",
                      f"{r.passed}/{len(r.tests)}" if r.status == "graded" else r.status,
                      (failure[:width - 1] + "…") if len(failure) > width else (failure or "-")))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
@@ -30,7 +55,7 @@ def table(results: list[ExerciseResult], width: int = 70) -> str:
         t[1] += r.max_points
     if len(results) > 1:
         lines.append("")
-        lines += [f"{learner}: {_num(p)}/{_num(m)}" for learner, (p, m) in totals.items()]
+        lines += [f"{safe(learner, False)}: {_num(p)}/{_num(m)}" for learner, (p, m) in totals.items()]
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ from nbclient.exceptions import DeadKernelError
 from zeroedu.grading import notebook as nbtools
 from zeroedu.grading import remote
 from zeroedu.grading.client import _QUIET, OUTPUT_CAP, _Client, _cut, _LogPipe
+from zeroedu.grading.kernel import EXCHANGE_PATH
 from zeroedu.grading.link import _Captured, _KernelLink
 from zeroedu.grading.results import CellRun, Limits
 from zeroedu.grading.source import grader_names, places
@@ -33,6 +34,11 @@ TIMEOUT_ENAME = "GraderTimeout"
 REFUSED_ENAME = "RefusedByGrader"   # a cell the grader would not run (forged_answers)
 STARTUP_SECONDS = 180     # kernel start plus the set-up code: importing torch on a loaded machine is slow
 DEFAULT_SETUP = "import zeroedu.grading"
+# What of the grader's environment reaches the kernel: the locale, where programs are, and the CPU kernels'
+# settings (the ISA sets of the Makefile, thread counts); nothing else.
+KEPT_ENV = {"PATH", "LANG", "LANGUAGE", "TZ", "VIRTUAL_ENV", "CONDA_PREFIX", "CUDA_VISIBLE_DEVICES",
+            "GLOO_SOCKET_IFNAME", "ZEROEDU_START_METHOD"}
+KEPT_PREFIXES = ("LC_", "OMP_", "MKL_", "ATEN_", "ONEDNN_", "DNNL_", "KMP_", "OPENBLAS_")
 
 
 class _Runner:
@@ -55,20 +61,33 @@ class _Runner:
         self.truncated = False
         self.t0 = time.monotonic()
         self.pgid: int | None = None
+        self.log: _LogPipe | None = None
         self.log_offset = 0
+        self.exchange = private / "exchange"   # the test pipes (link.py): made here, by the grader only
+        self.exchange.mkdir(mode=0o700, exist_ok=True)
+        if sandbox is not None:
+            sandbox.exchange = self.exchange
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        """The kernel's environment: a few settings passed on by name (KEPT_ENV), never the grader's whole
+        environment (tokens, paths, anything an instructor exported)."""
+        env = {k: v for k, v in os.environ.items() if k in KEPT_ENV or k.startswith(KEPT_PREFIXES)}
         tmp = self.workdir / ".tmp"
         tmp.mkdir(exist_ok=True)
         env.update(
             ZEROEDU_GRADE_ROOT=str(self.workdir), ZEROEDU_GRADE_CONFIG=str(self.private / "config.json"),
-            PYTHONPATH=os.pathsep.join([str(GUARD_DIR), *filter(None, [env.get("PYTHONPATH")])]),
+            PYTHONPATH=os.pathsep.join([str(GUARD_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]),
             TMPDIR=str(tmp), PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="Agg",
+            ZEROEDU_GRADE_EXCHANGE=EXCHANGE_PATH if self.sandbox is not None else str(self.exchange),
+            # No module from the work folder shadows zeroedu or torch (python -m puts the current folder first
+            # on sys.path), and no usercustomize or .pth from a home the learner wrote runs before the guard.
+            PYTHONSAFEPATH="1", PYTHONNOUSERSITE="1",
             # launch() inside a test gives up a little before the cell would be killed: a clearer message.
             ZEROEDU_TEST_TIMEOUT=f"{self.test_timeout():g}",
         )
-        env.pop("JPY_PARENT_PID", None)
+        env.setdefault("PATH", os.defpath)
+        if self.sandbox is None and "HOME" in os.environ:   # --trusted: the learner's own machine and home
+            env["HOME"] = os.environ["HOME"]
         return env
 
     def test_timeout(self) -> float:
@@ -105,15 +124,17 @@ class _Runner:
 
         client.on_cell_executed = on_executed
         self.client, self.loop, self.kernel_lost = client, asyncio.get_running_loop(), False
-        log = _LogPipe(self.private / "kernel.log")  # the kernel's stdout and stderr: a pipe it cannot rewind
+        log = self.log = _LogPipe(self.private / "kernel.log")  # the kernel's stdout and stderr: a pipe
         self.pgid = None
         env = self.env()
         if self.sandbox is not None:
             env = self.sandbox.env(env)
             self.sandbox.prepare()
             client.km = self.sandbox.kernel_manager(client)
+        started = False
         try:
             async with client.async_setup_kernel(env=env, stdout=log.fd, stderr=log.fd):
+                started = True
                 log.started()
                 self.pgid = getattr(client.km.provisioner, "pgid", None)
                 problem = await self._setup(client)
@@ -144,6 +165,16 @@ class _Runner:
             return len(self.nb.cells)
         except DeadKernelError:
             return start + 1
+        except Exception as e:   # the kernel did not start (its start-up died) or stopped talking while set up
+            if started:
+                raise
+            problem = (f"the kernel did not start ({type(e).__name__}: {_cut(str(e), 200)}; "
+                       f"{self._kernel_tail()})")
+            self.notes.append(problem)
+            for j in range(start, len(self.nb.cells)):
+                if self.runs[j].status == "not run":
+                    self.runs[j] = CellRun("not run", evalue=problem)
+            return len(self.nb.cells)
         finally:
             self.truncated |= client.truncated
             self._kill()  # whatever the kernel started in its process group goes too
@@ -222,7 +253,8 @@ class _Runner:
 
     async def serve(self, token: str, deadline: float) -> tuple[str, str]:
         """Run kernel.serve(token) in the kernel while a test cell talks to it; (status, detail) at its end."""
-        code = f"__import__('zeroedu.grading.kernel', fromlist=['serve']).serve({token!r})"
+        folder = EXCHANGE_PATH if self.sandbox is not None else str(self.exchange)   # as the kernel sees it
+        code = f"__import__('zeroedu.grading.kernel', fromlist=['serve']).serve({token!r}, {folder!r})"
         cell = nbformat.v4.new_code_cell(code)
         replies: dict[int, dict] = {}
         client = self.client
@@ -319,19 +351,12 @@ class _Runner:
         return f"'{gid}'" if gid else "a cell you added"
 
     def _log_size(self) -> int:
-        try:
-            return (self.private / "kernel.log").stat().st_size
-        except OSError:
-            return 0
+        return self.log.received if self.log is not None else 0
 
     def _kernel_tail(self) -> str:
         """The last line the kernel wrote to its stderr while the fatal cell ran."""
-        try:
-            with open(self.private / "kernel.log", "rb") as f:
-                f.seek(self.log_offset)
-                text = f.read().decode(errors="replace").strip().splitlines()
-        except OSError:
-            text = []
+        data = self.log.since(self.log_offset) if self.log is not None else b""
+        text = data.decode(errors="replace").strip().splitlines()
         last = text[-1] if text else ""
         return f"last kernel message: {last[:200]}" if last else "no message: os._exit, a crash in native code, " \
             "or the out-of-memory killer"

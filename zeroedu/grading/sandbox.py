@@ -8,9 +8,16 @@ Inside, the kernel and everything it starts (ranks, subprocesses) see:
 - no network (`--unshare-net`; the grader talks to the kernel over unix sockets in a folder of their own), its
   own process tree (`--unshare-pid`: when the kernel goes, every process it started goes too, a new session
   or not);
-- limits per process: address space (--memory), processes of the sandbox's user (--max-processes), CPU time,
-  no core files. When the grader runs as root the kernel runs as an unprivileged user (65534), so that the
-  process limit holds and nothing inside has root's rights.
+- limits: address space per process (--memory), processes and threads of the sandbox's user
+  (--max-processes), CPU time, no core files, FILE_BYTES per file written, and sized tmpfs for /tmp, /dev/shm
+  and /run (TMPFS_BYTES). When the grader runs as root each sandbox runs as a user of its own (sandbox_uid: a
+  fresh uid per sandbox, not 65534 for all), so the process limit is per notebook and nothing inside has
+  root's rights. What this does not cap: a notebook's total memory across its processes (ranks) and the disk
+  its work folder takes on the host. That needs a cgroup v2 with the memory controller delegated to the
+  grader, which `cgroup_note()` looks for and, where missing (cgroup v1 hosts, containers), says so once.
+- the grader's test exchange (exchange_dir): two named pipes per test, made by the grader in a folder only it
+  can write, bound read-only at EXCHANGE_PATH (pipes open for writing on a read-only mount): nothing the
+  learner can name (a link at the old place in the work folder) is followed by the grader.
 
 The grader's own files (the settings of the exercise's blocks, the kernel's log pipe) stay outside: the
 settings are bound read-only, the log is a pipe the grader reads.
@@ -18,17 +25,30 @@ settings are bound read-only, the log is a pipe the grader reads.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zeroedu.grading.kernel import CONFIG_PATH
+from zeroedu.grading.kernel import CONFIG_PATH, EXCHANGE_PATH
 
-SANDBOX_UID = 65534          # "nobody": the kernel's user when the grader runs as root
+SANDBOX_UID = 65534          # "nobody": the kernel's user when the grader does not run as root (unused then)
+UID_BASE = 1_600_000_000     # as root, sandbox k of grader process p runs as UID_BASE + p % 100000 * 1000 + k % 1000
+FILE_BYTES = 2 * 2**30       # RLIMIT_FSIZE: the largest file a sandboxed process may write
+TMPFS_BYTES = {"/tmp": 2 * 2**30, "/dev/shm": 2 * 2**30, "/run": 64 * 2**20}
+_uids = itertools.count()
+_uid_lock = threading.Lock()
+
+
+def sandbox_uid() -> int:
+    """A uid no other sandbox of this grader uses (and, with the pid in it, none of a concurrent grader)."""
+    with _uid_lock:
+        return UID_BASE + (os.getpid() % 100_000) * 1000 + next(_uids) % 1000
 INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: `sudo apt-get install bubblewrap`, Fedora: `sudo dnf install "
                 "bubblewrap`, or scripts/install_bwrap.sh), or grade your own notebooks with --trusted")
 
@@ -36,8 +56,9 @@ INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: `sudo apt-get install bubble
 # limits, leave root, then become the kernel.
 _INIT = """
 import os, resource, sys
-mem, nproc, cpu, uid = (int(v) for v in sys.argv[1:5])
-for what, value in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_CPU, cpu)):
+mem, nproc, cpu, fsize, uid = (int(v) for v in sys.argv[1:6])
+for what, value in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_CPU, cpu),
+                    (resource.RLIMIT_FSIZE, fsize)):
     if value > 0:
         resource.setrlimit(what, (value, value))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -46,8 +67,25 @@ if uid >= 0 and os.getuid() == 0:
     os.setgid(uid)
     os.setuid(uid)
 os.environ.pop("JPY_PARENT_PID", None)  # the kernel's parent pid means nothing in this pid namespace
-os.execv(sys.argv[5], sys.argv[5:])
+os.execv(sys.argv[6], sys.argv[6:])
 """
+
+
+def cgroup_note() -> str:
+    """One sentence for the instructor: what caps a notebook's use on this machine. The grader creates no
+    cgroups yet, so a notebook's total memory over all its processes is not capped, only each process's; the
+    sentence says whether a cgroup v2 memory controller would be there to do it."""
+    root = Path("/sys/fs/cgroup")
+    try:
+        controllers = (root / "cgroup.controllers").read_text().split()
+    except OSError:
+        controllers = []
+    if "memory" in controllers and os.access(root, os.W_OK):
+        return ("a cgroup v2 memory controller is available, but the grader does not use it yet: each notebook's "
+                "memory is capped per process (--memory-gb), its tmpfs and each file it writes by size")
+    return ("no cgroup v2 memory controller here (cgroup v1 or a container): each notebook's memory is capped per "
+            "process (--memory-gb), its /tmp, /dev/shm and /run by size and each file it writes by size; a notebook's "
+            "ranks together, and the disk its work folder takes, are not capped")
 
 
 def bwrap() -> str | None:
@@ -87,22 +125,35 @@ class Sandbox:
     config: Path                   # the grader's settings, bound read-only at kernel.CONFIG_PATH
     hidden: list[Path] = field(default_factory=list)
     limits: Limits = field(default_factory=Limits)
+    exchange: Path | None = None   # the grader's folder of test pipes, bound read-only at kernel.EXCHANGE_PATH
+    uid: int = field(default_factory=lambda: sandbox_uid() if os.geteuid() == 0 else -1)
+    _prepared: bool = False
 
     def prepare(self) -> None:
-        """Folders the kernel writes must belong to its user."""
-        from zeroedu.grading.kernel import EXCHANGE
+        """Folders the kernel writes must belong to its user. Only the grader's own entries are changed, never
+        by following a path: on a replay the work folder holds whatever the last kernel left (links included)."""
+        from zeroedu.grading.scratch import remove_tree
 
         self.sockets.mkdir(parents=True, exist_ok=True)
-        (self.workdir / ".home").mkdir(exist_ok=True)
-        (self.workdir / EXCHANGE).mkdir(exist_ok=True)
-        if os.geteuid() == 0:
-            for folder in (self.workdir, self.sockets):
-                for path in [folder, *folder.rglob("*")]:
-                    os.lchown(path, SANDBOX_UID, SANDBOX_UID)
+        # A fresh home for every kernel: an IPython startup file a learner wrote there must not run (and kill)
+        # the next kernel. remove_tree removes a link put in its place without following it.
+        home = self.workdir / ".home"
+        remove_tree(home)
+        home.mkdir()
+        if self.uid >= 0:
+            os.lchown(home, self.uid, self.uid)
+            os.lchown(self.sockets, self.uid, self.uid)
+            if not self._prepared:   # the first time, the work folder holds only the grader's copy
+                os.lchown(self.workdir, self.uid, self.uid)
+                for path in self.workdir.iterdir():
+                    os.lchown(path, self.uid, self.uid)
+        self._prepared = True
         os.chmod(self.config, 0o644)
+        if self.exchange is not None:
+            os.chmod(self.exchange, 0o711)   # the kernel may open a pipe it is told about, never list or add
 
     def env(self, env: dict[str, str]) -> dict[str, str]:
-        home = str(self.workdir / ".home")
+        home = str(self.workdir / ".home")   # emptied by prepare() before every kernel
         return {**env, "HOME": home, "IPYTHONDIR": f"{home}/.ipython", "MPLCONFIGDIR": f"{home}/.matplotlib",
                 "JUPYTER_RUNTIME_DIR": f"{home}/.jupyter", "XDG_CACHE_HOME": f"{home}/.cache"}
 
@@ -110,26 +161,28 @@ class Sandbox:
         exe = bwrap()
         if exe is None:
             raise RuntimeError(f"bubblewrap is not installed: {INSTALL_HINT}")
-        args = [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs",
-                "/dev/shm", "--perms", "1777", "--tmpfs", "/tmp", "--perms", "0755", "--tmpfs", "/run"]
+        args = [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+        for mount, mode in (("/dev/shm", "1777"), ("/tmp", "1777"), ("/run", "0755")):
+            args += ["--perms", mode, "--size", str(TMPFS_BYTES[mount]), "--tmpfs", mount]
         args += _reachable(_needed(), closed_parents=os.geteuid() == 0)
         for path in self.hidden:   # after the binds above: a folder bound back (a course under /tmp) stays hidden
             if path.is_dir():
                 args += ["--tmpfs", str(path)]
             elif path.exists():
                 args += ["--ro-bind", "/dev/null", str(path)]
-        for path in (self.workdir, self.sockets, Path(CONFIG_PATH)):  # bwrap would make missing parents 0700
+        inside = [self.workdir, self.sockets, Path(CONFIG_PATH)] + ([Path(EXCHANGE_PATH)] if self.exchange else [])
+        for path in inside:  # bwrap would make missing parents 0700
             args += [a for d in reversed(path.parents) if d.parent != d and d not in (Path("/tmp"), Path("/run"))
                      and (Path("/tmp") in d.parents or Path("/run") in d.parents)
                      for a in ("--perms", "0755", "--dir", str(d))]
         args += ["--bind", str(self.workdir), str(self.workdir), "--bind", str(self.sockets), str(self.sockets),
                  "--ro-bind", str(self.config), CONFIG_PATH,
+                 *(["--ro-bind", str(self.exchange), EXCHANGE_PATH] if self.exchange else []),
                  "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
                  *([] if os.geteuid() == 0 else ["--unshare-user"]),
                  "--die-with-parent", "--new-session", "--chdir", str(self.workdir)]
-        uid = SANDBOX_UID if os.geteuid() == 0 else -1
         init = [sys.executable, "-I", "-S", "-c", _INIT, str(self.limits.memory), str(self.limits.processes),
-                str(self.limits.cpu_seconds), str(uid)]
+                str(self.limits.cpu_seconds), str(FILE_BYTES), str(self.uid)]
         return [*args, "--", *init, *cmd]
 
     def kernel_manager(self, client: Any) -> Any:
@@ -141,8 +194,8 @@ class Sandbox:
         class Sandboxed(AsyncKernelManager):
             def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
                 cmd = super().format_kernel_cmd(extra_arguments)
-                if os.geteuid() == 0:
-                    os.chown(self.connection_file, SANDBOX_UID, SANDBOX_UID)
+                if sandbox.uid >= 0:
+                    os.chown(self.connection_file, sandbox.uid, sandbox.uid)
                 return sandbox.command(cmd)
 
         km = Sandboxed(kernel_name=client.kernel_name, transport="ipc", ip=str(self.sockets / "kernel"),
@@ -190,13 +243,14 @@ def _reachable(paths: list[Path], closed_parents: bool = True) -> list[str]:
 
 def hidden_paths(solutions: Path, inputs: list[Path], outputs: list[Path]) -> list[Path]:
     """What no sandbox may see: solutions (the folder given, the one beside the package, the package's git
-    history) and the submissions and reports of the run. A folder holding the Python environment or the
+    history), the course's tests (their fixtures hold correct answers) and the submissions and reports of the
+    run. A folder holding the Python environment or the
     package itself cannot be covered; its notebooks are covered one by one instead."""
     from zeroedu.grading.build import ROOT
 
     keep = [Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), ROOT / "zeroedu"]
     out: list[Path] = []
-    candidates = [solutions, ROOT / "solutions", *_git_dirs(ROOT), *inputs, *outputs]
+    candidates = [solutions, ROOT / "solutions", ROOT / "tests", *_git_dirs(ROOT), *inputs, *outputs]
     for path in candidates:
         path = Path(path).resolve()
         if not path.exists():

@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,15 +28,15 @@ def collect(paths: list[Path]) -> list[tuple[str, Path]]:
     grader refuses them: a link can point at another learner's work or at the solution)."""
     found: list[tuple[str, Path]] = []
     for path in paths:
-        if path.is_symlink() or path.is_file():
-            found.append((path.absolute().parent.name, path))
-        elif path.is_dir():
+        if path.is_dir() and not path.is_symlink():
             found += [(path.resolve().name, p) for p in sorted(path.glob("*.ipynb"))]
             for sub in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
                 if sub.is_symlink():
                     found += [(sub.name, sub)]
                     continue
                 found += [(sub.name, p) for p in _notebooks(sub)]
+        elif path.is_symlink() or path.exists():   # a file, a FIFO, a device: stage() refuses what is not a file
+            found.append((path.absolute().parent.name, path))
         else:
             raise FileNotFoundError(f"{path}: no such notebook or folder")
     return found
@@ -51,16 +52,20 @@ def load_solutions(folder: Path) -> dict[str, Any]:
 _EX_PREFIX = re.compile(r"^(ex\d+)", re.IGNORECASE)
 
 
-def guess_exercise(path: Path, solutions: dict[str, Any]) -> str | None:
-    """The exercise a notebook is for, from the notebook (name, grade_ids) or, if unreadable, its file name."""
+MAX_NOTEBOOK_BYTES = 64 * 2**20   # a submission larger than this is refused unread (solutions are < 1 MB)
+
+
+def guess_exercise(path: Path, solutions: dict[str, Any], read: bool = True) -> str | None:
+    """The exercise a notebook is for, from the notebook (name, grade_ids) or, if unreadable, its file name.
+    Only the grader's own copy is ever opened (read=True): a learner's path may be a FIFO, a link or a device,
+    whose name says what it claims to be."""
     nb = None
-    if not path.is_symlink():   # a link's name says what it claims to be; it is never opened
-        with contextlib.suppress(Exception):
+    if read and not path.is_symlink():
+        with contextlib.suppress(Exception):   # a malformed notebook is graded (and refused) later, not here
             nb = nbtools.read(path)
-    if nb is not None:
-        found = match_solution(path, nb, solutions)
-        if found:
-            return found
+            found = match_solution(path, nb, solutions)
+            if found:
+                return found
     if path.stem in solutions:
         return path.stem
     m = _EX_PREFIX.match(path.name)
@@ -83,30 +88,49 @@ class Submission:
 
 
 def stage(pairs: list[tuple[str, Path]], solutions: dict[str, Any], into: Path) -> list[Submission]:
-    """Copy every submission (once, before any is run) and hash it; refuse links and anything not a file."""
+    """Copy every submission (once, before any is run) and hash it; refuse links, anything not a regular file
+    (a FIFO would block the reader forever) and files over MAX_NOTEBOOK_BYTES."""
     out = []
     for k, (learner, path) in enumerate(pairs):
         sub = Submission(learner, path)
-        if path.is_symlink():
-            sub.problem = (f"{path} is a symbolic link (to {os.readlink(path)}): refused. Hand in the notebook "
-                           "itself, not a link to it.")
-        elif not path.is_file():
-            sub.problem = f"{path} is not a regular file: refused"
-        else:
-            try:
-                data = path.read_bytes()
-                sub.mtime = path.stat().st_mtime
-            except OSError as e:
-                sub.problem = f"cannot read {path}: {e.strerror or e}"
-            else:
-                folder = into / f"{k:05d}"
-                folder.mkdir(parents=True)
-                sub.copy = folder / path.name
-                sub.copy.write_bytes(data)
-                sub.sha256 = hashlib.sha256(data).hexdigest()
-        sub.exercise = guess_exercise(sub.copy or path, solutions)
+        data, sub.problem, sub.mtime = _read_submission(path)
+        if data is not None:
+            folder = into / f"{k:05d}"
+            folder.mkdir(parents=True)
+            sub.copy = folder / path.name
+            sub.copy.write_bytes(data)
+            sub.sha256 = hashlib.sha256(data).hexdigest()
+        sub.exercise = guess_exercise(sub.copy or path, solutions, read=sub.copy is not None)
         out.append(sub)
     return out
+
+
+def _read_submission(path: Path) -> tuple[bytes | None, str, float]:
+    """(the bytes, '' , mtime), or (None, why it is refused, 0). Opened without following a link and without
+    blocking (a FIFO), checked to be a regular file on the open descriptor, read up to the cap."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as e:
+        if path.is_symlink():
+            with contextlib.suppress(OSError):
+                target = os.readlink(path)
+                return None, (f"{path} is a symbolic link (to {target}): refused. Hand in the notebook itself, "
+                              "not a link to it."), 0.0
+        return None, f"cannot read {path}: {e.strerror or e}", 0.0
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, f"{path} is not a regular file: refused", 0.0
+        if st.st_size > MAX_NOTEBOOK_BYTES:
+            return None, (f"{path} is {st.st_size} bytes, more than the grader reads ({MAX_NOTEBOOK_BYTES}): "
+                          "refused; clear the notebook's outputs and hand it in again"), 0.0
+        try:
+            data = f.read(MAX_NOTEBOOK_BYTES + 1)
+        except OSError as e:
+            return None, f"cannot read {path}: {e.strerror or e}", 0.0
+    if len(data) > MAX_NOTEBOOK_BYTES:   # it grew while read
+        return None, f"{path} is more than {MAX_NOTEBOOK_BYTES} bytes: refused", 0.0
+    return data, "", st.st_mtime
 
 
 def newest_only(subs: list[Submission]) -> tuple[list[Submission], dict[int, list[Submission]]]:

@@ -39,7 +39,9 @@ def _install():
     except OSError:
         log_fd, log_id = -1, None
     real_root = os.path.realpath(root)
-    allowed = ("/dev/", "/proc/self/")  # /dev/null, /dev/shm semaphores, our own fds
+    # /dev/null, /dev/shm semaphores, our own fds, and the grader's test pipes (a folder only the grader adds to)
+    exchange = os.environ.get("ZEROEDU_GRADE_EXCHANGE", "")
+    allowed = ("/dev/", "/proc/self/") + ((os.path.realpath(exchange) + os.sep,) if exchange else ())
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
 
     def absolute(path, dir_fd=None):

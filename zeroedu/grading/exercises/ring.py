@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from zeroedu.grading.ranks import RING_HANG_HINT, SendCounter, not_implemented, run_on_ranks
+from zeroedu.grading.exercises.ranks import RING_HANG_HINT, SendCounter, not_implemented, run_on_ranks
 from zeroedu.grading.remote import in_kernel
 
 __all__ = ["RingRun", "chunk_sizes", "run_all_gather", "run_all_reduce", "run_reduce_scatter"]

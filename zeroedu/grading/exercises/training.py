@@ -8,7 +8,7 @@ a single-process run on the same global batch.
 
 `engine_for_rank(case)` runs on each rank and returns the engine class to build: a zeroedu stage with the
 learner's piece in it (a subclass the learner wrote, or an adapter in the exercise's module, such as
-zeroedu.grading.offload_step, that calls the learner's function where the real engine calls its own). The
+zeroedu.grading.exercises.offload_step, that calls the learner's function where the real engine calls its own). The
 harness puts a thin recorder on top of that class: it notes the reduced gradient handed to the optimizer step, and
 nothing else.
 
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from zeroedu.config import load_config
 from zeroedu.fmt import approx
-from zeroedu.grading.ranks import run_on_ranks
+from zeroedu.grading.exercises.ranks import run_on_ranks
 from zeroedu.grading.remote import in_kernel
 from zeroedu.models import MLP, Quirky, TinyGPT, TinyGPTConfig, gpt_batch, mlp_batch, quirky_batch, shard_batch
 from zeroedu.precision import DTYPES
@@ -232,7 +232,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     den = float(b.norm())
     num = float((a - b).norm())
-    return num / den if den > 0 else num
+    out = num / den if den > 0 else num
+    return out if math.isfinite(out) else math.inf   # NaN compares false with everything: never "close"
 
 
 def dict_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
@@ -240,7 +241,8 @@ def dict_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[fl
     num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b)
     den = sum(float(b[k].double().pow(2).sum()) for k in b)
     worst = max(b, key=lambda k: rel(a[k], b[k]))
-    return (math.sqrt(num / den) if den > 0 else math.sqrt(num)), worst
+    out = math.sqrt(num / den) if den > 0 else math.sqrt(num)
+    return (out if math.isfinite(out) else math.inf), worst   # a NaN anywhere is infinitely far
 
 
 TOLERANCE = {"fp32": 1e-5, "bf16": 6e-2, "fp16": 1e-2}
@@ -292,7 +294,7 @@ class TrainRun:
                 raise AssertionError(where + " " + self.diagnose_grads(i, step, got, want, worst, d))
         losses = [sum(r["losses"][s] for r in rows) / len(rows) for s in range(case.steps)]
         for step, (a, b) in enumerate(zip(losses, ref["losses"], strict=True)):
-            if abs(a - b) > tol * max(1.0, abs(b)):
+            if not abs(a - b) <= tol * max(1.0, abs(b)):   # NaN-safe: a NaN loss fails
                 raise AssertionError(f"{where} the loss at step {step} is {a:.6f} averaged over ranks, one process "
                                      f"on the whole batch gets {b:.6f}.")
         d, worst = dict_rel(rows[0]["weights"], ref["weights"][-1])

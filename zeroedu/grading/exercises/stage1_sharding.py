@@ -1,16 +1,16 @@
 """Exercise 4 (ex04_stage1_sharding): the learner's Stage1 subclass trained in the real engine, and its checks.
 
 The learner overrides reduce_bucket, optimizer_step and publish; the engine trains with that class on real gloo
-ranks (zeroedu.grading.training). ShardedRun checks the collectives of the sharded stages (1 and 2: exercise 5
+ranks (zeroedu.grading.exercises.training). ShardedRun checks the collectives of the sharded stages (1 and 2: exercise 5
 extends it).
 """
 
 from __future__ import annotations
 
 from zeroedu.engine.stages import Stage1
-from zeroedu.grading.learner_code import _itemsize, _learner_or, first_stub
+from zeroedu.grading.exercises.learner_code import _itemsize, _learner_or, first_stub
+from zeroedu.grading.exercises.training import Case, TrainRun, train_on_ranks
 from zeroedu.grading.remote import in_kernel
-from zeroedu.grading.training import Case, TrainRun, train_on_ranks
 
 
 class ShardedRun(TrainRun):

@@ -2,7 +2,7 @@
 
 The learner writes a hook object (before_backward, grad_ready, after_backward) that decides when each bucket is
 all-reduced; HookedStage0 is stage 0 with the learner's hooks deciding, trained on real gloo ranks
-(zeroedu.grading.training). The checks read the order of gradients and reductions each rank recorded.
+(zeroedu.grading.exercises.training). The checks read the order of gradients and reductions each rank recorded.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from zeroedu.engine.stages import Stage0
-from zeroedu.grading.learner_code import _itemsize, first_stub
+from zeroedu.grading.exercises.learner_code import _itemsize, first_stub
+from zeroedu.grading.exercises.training import Case, TrainRun, train_on_ranks
 from zeroedu.grading.remote import in_kernel
-from zeroedu.grading.training import Case, TrainRun, train_on_ranks
 
 
 class HookedStage0(Stage0):

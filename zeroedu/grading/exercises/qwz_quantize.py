@@ -2,7 +2,7 @@
 
 The check_* functions test quantize_blocks and dequantize_blocks on their own (block scales, a shorter last
 block, blocks of zeros, the round trip). run_qwz trains stage 3 with qwZ on real gloo ranks
-(zeroedu.grading.training) with the learner's functions for the int8 weights, next to the engine's own.
+(zeroedu.grading.exercises.training) with the learner's functions for the int8 weights, next to the engine's own.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from zeroedu.fmt import approx
-from zeroedu.grading.ranks import not_implemented
+from zeroedu.grading.exercises.ranks import not_implemented
+from zeroedu.grading.exercises.stage3_gather import Stage3Run, _gathers
+from zeroedu.grading.exercises.training import Case, dict_rel, train_on_ranks
 from zeroedu.grading.remote import in_kernel
-from zeroedu.grading.stage3_gather import Stage3Run, _gathers
-from zeroedu.grading.training import Case, dict_rel, train_on_ranks
 
 QUANT_CALLS = {"quantize": 0, "dequantize": 0}
 QWZ_BLOCK = 64
@@ -86,18 +86,18 @@ class QwzRun(Stage3Run):
             calls = self.ranks[i][0]["quant_calls"]
             if not calls["quantize"] or not calls["dequantize"]:
                 raise AssertionError(f"{case.name}: your functions were never called (the engine no longer calls "
-                                     "its quantizer: zeroedu.grading.qwz_quantize needs updating).")
+                                     "its quantizer: zeroedu.grading.exercises.qwz_quantize needs updating).")
             mine = [sum(r["losses"][s] for r in self.ranks[i]) / case.world_size for s in range(case.steps)]
             theirs = [sum(r["losses"][s] for r in self.ranks[j]) / case.world_size for s in range(case.steps)]
             for step, (a, b, c) in enumerate(zip(mine, theirs, self.refs[i]["losses"], strict=True)):
                 if not math.isfinite(a):
                     raise AssertionError(f"{case.name}: the loss at step {step} is {a}: some weight decoded to nan or "
                                          "inf (a block of zeros divided by a zero scale?).")
-                if abs(a - b) > 1e-3 * abs(b):
+                if not abs(a - b) <= 1e-3 * abs(b):   # NaN-safe
                     raise AssertionError(f"{case.name}: the loss at step {step} is {a:.6f} with your quantizer, "
                                          f"{b:.6f} with the engine's: the weights the forward used differ (each "
                                          "block's scale is max|x| / 127 of that block).")
-                if abs(a - c) > 2e-2 * abs(c):
+                if not abs(a - c) <= 2e-2 * abs(c):
                     raise AssertionError(f"{case.name}: the loss at step {step} is {a:.6f}, unquantized training gets "
                                          f"{c:.6f}: more than 2% apart.")
             d, worst = dict_rel(self.ranks[i][0]["weights"], self.ranks[j][0]["weights"])
@@ -269,6 +269,6 @@ def check_roundtrip(quantize: Callable, dequantize: Callable,
                                  f"{float(per[k]):.6g} is {float(want[k]):.6g}. Each element uses the scale of its "
                                  "own block (and its own row).")
         err = float(((back - x).abs() - per / 2).max())
-        if err > 1e-6 * float(x.abs().max()):
+        if not err <= 1e-6 * float(x.abs().max()):   # NaN-safe: a NaN decode fails
             raise AssertionError(f"x of shape {list(x.shape)}, block={block}: an element decodes more than half a "
                                  "scale away from x.")

@@ -1,6 +1,6 @@
 """Exercise 6 (ex06_stage3_gather): the learner's Stage3 fetch and release in the real engine, and their checks.
 
-The learner's Stage3 subclass trains on real gloo ranks (zeroedu.grading.training) under _GatherMeter, which
+The learner's Stage3 subclass trains on real gloo ranks (zeroedu.grading.exercises.training) under _GatherMeter, which
 notes the bytes of gathered parameters at every fetch and release; Stage3Run compares them, and the parameter
 all-gathers, with the engine's own stage 3 on the same cases (exercise 8's QwzRun extends it).
 """
@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from zeroedu.engine.stages import Stage3
-from zeroedu.grading.learner_code import _learner_or, first_stub
+from zeroedu.grading.exercises.learner_code import _learner_or, first_stub
+from zeroedu.grading.exercises.training import Case, TrainRun, train_on_ranks
 from zeroedu.grading.remote import in_kernel
-from zeroedu.grading.training import Case, TrainRun, train_on_ranks
 
 
 class _GatherMeter:
@@ -103,10 +103,10 @@ class Stage3Run(TrainRun):
             meter = row["meter"]
             if not meter or not meter["fetch"]:
                 raise AssertionError(f"{case.name}: fetch was never called (the engine no longer calls it: "
-                                     "zeroedu.grading.stage3_gather needs updating).")
+                                     "zeroedu.grading.exercises.stage3_gather needs updating).")
             if not meter["release"]:
                 raise AssertionError(f"{case.name}: release was never called (the engine no longer calls it: "
-                                     "zeroedu.grading.stage3_gather needs updating).")
+                                     "zeroedu.grading.exercises.stage3_gather needs updating).")
             model = row["model_bytes"]
             left = [b for b in meter["after_step"] if b > 0]
             if left:

@@ -2,7 +2,7 @@
 
 The learner writes grad_to_host, host_step and params_to_device; the engine's offload class calls them where
 OffloadMixin moves the gradient to the host, steps Adam there, and writes the parameters back, on real gloo
-ranks (zeroedu.grading.training). OffloadRun checks the step and the bytes that crossed the bus.
+ranks (zeroedu.grading.exercises.training). OffloadRun checks the step and the bytes that crossed the bus.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from zeroedu.grading.learner_code import _itemsize
-from zeroedu.grading.ranks import not_implemented
+from zeroedu.grading.exercises.learner_code import _itemsize
+from zeroedu.grading.exercises.ranks import not_implemented
+from zeroedu.grading.exercises.training import TOLERANCE, Case, TrainRun, assemble_full, dict_rel, train_on_ranks
 from zeroedu.grading.remote import in_kernel
-from zeroedu.grading.training import TOLERANCE, Case, TrainRun, assemble_full, dict_rel, train_on_ranks
 
 
 def _offload_engine(grad_to_host: Callable, host_step: Callable, params_to_device: Callable) -> Callable[[Case], type]:
@@ -104,7 +104,8 @@ class OffloadRun(TrainRun):
         missing = [k for k in ("grad_to_host", "host_step", "params_to_device") if not calls.get(k)]
         if missing:
             raise AssertionError(f"{self.cases[i].name}: the engine never called your {', '.join(missing)} (it no "
-                                 "longer calls the place zeroedu.grading.offload_step plugs into: update the adapter).")
+                                 "longer calls the place zeroedu.grading.exercises.offload_step plugs into: update "
+                                 "the adapter).")
 
     def check_step(self) -> None:
         """Adam on the host stepped with the reduced gradient times coef (unscaled and clipped), as fp32."""

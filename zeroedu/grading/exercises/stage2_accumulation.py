@@ -1,7 +1,7 @@
 """Exercise 5 (ex05_stage2_accumulation): the learner's Stage2 reduce_bucket in the real engine, and its checks.
 
-The learner's Stage2 subclass trains on real gloo ranks (zeroedu.grading.training), noting after every backward
-which full-size gradients are still held; the learner's prediction of the gradient traffic is checked against
+The learner's Stage2 subclass trains on real gloo ranks (zeroedu.grading.exercises.training), noting after every
+backward which full-size gradients are still held; the learner's prediction of the gradient traffic is checked against
 the ledger of the engine's own stage 2.
 """
 
@@ -12,10 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 from zeroedu.engine.stages import Stage2
-from zeroedu.grading.learner_code import _itemsize, _learner_or, first_stub
+from zeroedu.grading.exercises.learner_code import _itemsize, _learner_or, first_stub
+from zeroedu.grading.exercises.stage1_sharding import ShardedRun
+from zeroedu.grading.exercises.training import Case, train_on_ranks
 from zeroedu.grading.remote import in_kernel
-from zeroedu.grading.stage1_sharding import ShardedRun
-from zeroedu.grading.training import Case, train_on_ranks
 
 
 class _FreedGrads:

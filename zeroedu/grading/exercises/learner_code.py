@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from zeroedu.engine.stages import Stage1, Stage2, Stage3
-from zeroedu.grading.ranks import not_implemented
-from zeroedu.grading.training import Case
+from zeroedu.grading.exercises.ranks import not_implemented
+from zeroedu.grading.exercises.training import Case
 
 
 def not_your_own(cls: Any, names: Any) -> str | None:
