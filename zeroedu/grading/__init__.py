@@ -16,9 +16,6 @@ zeroedu._aliases holds the table).
 ex10 (exercise 10's harness) stays here for now.
 """
 
-import importlib
-import importlib.abc
-
 from zeroedu.grading.check import CheckFailed, check, describe_exception
 
 __all__ = ["CheckFailed", "check", "describe_exception"]
