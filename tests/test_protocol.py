@@ -22,7 +22,7 @@ CHECKPOINT = sorted((ROOT / "checkpoint").glob("*.py"))   # zeroedu.checkpoint a
 OFFLOAD = sorted((ROOT / "engine" / "extras" / "offload").glob("*.py"))   # one mixin, OffloadMixin, of the parts
 MIXINS = [*OFFLOAD, ROOT / "engine" / "extras" / "zeropp.py"]
 EXTRAS = [*MIXINS, *CHECKPOINT, ROOT / "zero.py",
-          *sorted((ROOT / "grading").glob("*.py"))]
+          *sorted((ROOT / "grading").rglob("*.py"))]
 
 # The protocol: what a stage or an extra may override or call, with the class that documents it.
 HOOKS = {
