@@ -1,7 +1,7 @@
 """What a zeroedu checkpoint is on disk, and the checks that a folder holds one.
 
 The names (DIR/TAG/metadata.json, DIR/TAG/rank{r}.pt, DIR/latest), the metadata's check of its own content,
-where each parameter element lives in the old shards (`_Layout`), and the checks every shard file passes before
+where each parameter element lives in the old shards (`Layout`), and the checks every shard file passes before
 anything is read from it: a plain file inside the checkpoint folder, the size and sha256 that the metadata
 recorded, and contents that match the metadata. `resolve` finds a checkpoint by its tag. zeroedu.checkpoint
 describes the format as a whole and saves and loads with these.
@@ -31,7 +31,7 @@ class CheckpointError(RuntimeError):
 # -- the metadata ---------------------------------------------------------------------------------------------
 
 @dataclass
-class _Layout:
+class Layout:
     """Where each parameter element sits in the shards of a saved checkpoint."""
 
     world_size: int
@@ -39,7 +39,7 @@ class _Layout:
     params: dict[str, dict] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, meta: dict) -> _Layout:
+    def of(cls, meta: dict) -> Layout:
         return cls(meta["world_size"], meta["buckets"], {p["name"]: p for p in meta["parameters"]})
 
     def runs(self, name: str, e0: int, e1: int):
@@ -54,7 +54,7 @@ class _Layout:
             e0 += n
 
 
-def _self_hash(meta: dict) -> str:
+def self_hash(meta: dict) -> str:
     body = {k: v for k, v in meta.items() if k != "metadata_sha256"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
@@ -76,7 +76,7 @@ def read_metadata(path: str) -> dict:
         raise CheckpointError(f"{f} has format version {meta.get('format_version')}; this zeroedu reads version "
                               f"{FORMAT_VERSION}. Load it with the zeroedu version that wrote it "
                               f"({meta.get('zeroedu_version')}).")
-    if meta.get("metadata_sha256") != _self_hash(meta):
+    if meta.get("metadata_sha256") != self_hash(meta):
         raise CheckpointError(f"{f} was modified after it was saved: its metadata_sha256 does not match its "
                               "content. Restore the original file.")
     files = meta.get("files")
@@ -89,7 +89,7 @@ def read_metadata(path: str) -> dict:
 
 # -- the files ------------------------------------------------------------------------------------------------
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -114,7 +114,7 @@ def _shard_path(path: str, info: dict) -> str:
     return f
 
 
-def _check_file(path: str, info: dict) -> str:
+def check_file(path: str, info: dict) -> str:
     """The file exists and has the size and sha256 that the metadata recorded; returns its path."""
     f = _shard_path(path, info)
     if not os.path.exists(f):
@@ -127,7 +127,7 @@ def _check_file(path: str, info: dict) -> str:
     if size > info["bytes"]:
         raise CheckpointError(f"{f} is larger than {METADATA} says ({size} bytes, not {info['bytes']}): it was "
                               f"overwritten, or {METADATA} comes from another checkpoint.")
-    digest = _sha256(f)
+    digest = file_sha256(f)
     if digest != info["sha256"]:
         raise CheckpointError(f"{f} was modified or corrupted after it was saved: its sha256 is {digest[:16]}..., "
                               f"{METADATA} says {info['sha256'][:16]}... (or {METADATA} comes from another "
@@ -135,9 +135,9 @@ def _check_file(path: str, info: dict) -> str:
     return f
 
 
-def _open_shard(path: str, info: dict, meta: dict, checked: bool = False) -> dict:
+def open_shard(path: str, info: dict, meta: dict, checked: bool = False) -> dict:
     """torch.load one rank file after checking it against the metadata; raise CheckpointError naming it."""
-    f = _shard_path(path, info) if checked else _check_file(path, info)
+    f = _shard_path(path, info) if checked else check_file(path, info)
     try:
         data = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
@@ -169,7 +169,7 @@ def resolve(checkpoint_dir: str, tag: str | None = None) -> str:
                                   f"(tags here: {_tags(checkpoint_dir)})")
         with open(latest) as f:
             tag = f.read().strip()
-    _check_tag(tag)
+    check_tag(tag)
     path = os.path.join(checkpoint_dir, tag)
     if os.path.isdir(path):
         return path
@@ -195,7 +195,7 @@ def _tags(checkpoint_dir: str) -> list[str]:
     return sorted(tags)
 
 
-def _check_tag(tag: str) -> None:
+def check_tag(tag: str) -> None:
     if not tag or "/" in tag or os.sep in tag or tag.startswith(".") or tag == LATEST:
         raise CheckpointError(f"tag {tag!r} is not a plain directory name (no '/', no leading '.', not "
                               f"'{LATEST}')")

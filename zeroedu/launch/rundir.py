@@ -13,10 +13,10 @@ import shutil
 import sys
 import tempfile
 
-_RUN_DIR_PREFIX = "zeroedu-launch-"
+RUN_DIR_PREFIX = "zeroedu-launch-"
 
 
-def _process_identity(pid: int) -> str:
+def process_identity(pid: int) -> str:
     """"PID START": START is when the process started (Linux: clock ticks after boot, /proc/PID/stat), so that
     a new process that got the same pid is not taken for the old one. Empty if the process is gone."""
     try:
@@ -33,13 +33,13 @@ def _process_identity(pid: int) -> str:
     return f"{pid} ?"
 
 
-def _remove_stale_run_dirs() -> list[str]:
+def remove_stale_run_dirs() -> list[str]:
     """Delete the folders of launches whose process is gone (killed by SIGKILL, which no cleanup survives), and
     say so on stderr. A folder without an owner file (being created, or from an older zeroedu) is left alone."""
     root = tempfile.gettempdir()
     removed = []
     try:
-        names = [n for n in os.listdir(root) if n.startswith(_RUN_DIR_PREFIX)]
+        names = [n for n in os.listdir(root) if n.startswith(RUN_DIR_PREFIX)]
     except OSError:
         return removed
     for name in names:
@@ -50,7 +50,7 @@ def _remove_stale_run_dirs() -> list[str]:
             pid = int(owner.split()[0])
         except (OSError, ValueError, IndexError):
             continue
-        now = _process_identity(pid)
+        now = process_identity(pid)
         if now and (now == owner or now.endswith(" ?") or owner.endswith(" ?")):
             continue                        # its launch is still running
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files
