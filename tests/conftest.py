@@ -32,9 +32,10 @@ def ci_must_fail(reason: str) -> bool:
 
 
 # The slow tier, chosen by measuring: pytest --durations=0 file by file on 6 December 2026, under heavy load (8
-# engineers on 2 cores), so only the ranking counts; the listed tests took 5 s or more of setup + call there. One
-# quick test of each area stays in the fast tier. A test id covers all its parameters. tests/test_ci.py checks that
-# every entry still names a test, so a renamed test cannot slip back into the fast tier.
+# engineers on 2 cores), so only the ranking counts; the listed tests took about 8 s or more of setup + call there.
+# A quick test of each area stays in the fast tier (stages: the 2-rank runs). A test id covers all its parameters;
+# an id with "[" is a prefix of parametrized ids. tests/test_ci.py checks that every entry still names a test, so a
+# renamed test cannot slip back into the fast tier.
 SLOW_TESTS = [
     "tests/test_launch.py::test_fn_defined_in_main",                # a fresh interpreter imports torch, twice
     "tests/test_launch.py::test_ranks_die_with_a_killed_parent",
@@ -43,25 +44,42 @@ SLOW_TESTS = [
     "tests/test_offload.py::test_killed_during_nvme_step_next_run_starts_clean",
     "tests/test_tour.py::test_tour_matches_theory",
     "tests/test_tour.py::test_bench_runs_every_stage_against_its_peer",
+    "tests/test_stages.py::test_matches_torch_ddp_and_zero_redundancy_optimizer[1]",
+    "tests/test_stages.py::test_matches_torch_ddp_and_zero_redundancy_optimizer[4]",
+    "tests/test_stages.py::test_world_of_one_without_launch",
+    "tests/test_stages.py::test_stage3_backward_reduces_and_gathers_in_shared_rounds_with_the_same_result",
+    "tests/test_stages.py::test_mixed_precision_tracks_reference[N2-fp16",
+    "tests/test_course.py::test_train_matches_one_process_with_torch_adam",
+    "tests/test_course.py::test_local_engine_holds_16_bytes_per_parameter",
+    "tests/test_course_big.py::test_tinygpt_inside_init_equals_tinygpt_built_whole",
+    "tests/test_ci.py::test_a_missing_browser_skips_locally_and_fails_on_ci",
+    "tests/test_ci.py::test_the_slow_list_names_tests_that_exist",
 ]
-# Files whose expensive module fixture trains every configuration in one launch: the tests that use it are slow.
-SLOW_FIXTURES = {
-    "tests/test_checkpoint.py": "saved",      # 131 s: saves every stage at every world size
-    "tests/test_offload.py": "results",       # 29 s
-    "tests/test_zeropp.py": "results",        # 27 s
+# Files whose expensive module fixture trains many configurations in one launch: the tests that use it (with one
+# of these parameters, or with any when None) are slow.
+SLOW_FIXTURES: dict[str, tuple[str, set | None]] = {
+    "tests/test_checkpoint.py": ("saved", None),     # 131 s: saves every stage at every world size
+    "tests/test_offload.py": ("results", None),      # 29 s
+    "tests/test_zeropp.py": ("results", None),       # 27 s
+    "tests/test_stages.py": ("world", {1, 4}),       # 87 s and 38 s of setup; N2 (23 s) stays fast
 }
 
 
-def is_slow(nodeid: str, fixturenames: list[str]) -> bool:
-    path = nodeid.split("::")[0]
-    return (any(nodeid == s or nodeid.startswith(s + "[") for s in SLOW_TESTS)
-            or SLOW_FIXTURES.get(path) in fixturenames)
+def is_slow(item) -> bool:
+    nodeid = item.nodeid
+    if any(nodeid == s or nodeid.startswith(s if "[" in s else s + "[") for s in SLOW_TESTS):
+        return True
+    fixture, params = SLOW_FIXTURES.get(nodeid.split("::")[0], (None, None))
+    if fixture not in getattr(item, "fixturenames", ()):
+        return False
+    callspec = getattr(item, "callspec", None)
+    return params is None or (callspec is not None and callspec.params.get(fixture) in params)
 
 
 @pytest.hookimpl(tryfirst=True)   # before -m deselects by mark
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if is_slow(item.nodeid, getattr(item, "fixturenames", [])):
+        if is_slow(item):
             item.add_marker(pytest.mark.slow)
 
 
