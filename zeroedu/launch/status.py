@@ -266,9 +266,9 @@ def _call_site() -> str:
 
 
 def _is_launch(module: str) -> bool:
-    """zeroedu.launch or one of its parts (zeroedu.launch_status, ...): the machinery, never what a collective
+    """zeroedu.launch or one of its parts (zeroedu.launch.status, ...): the machinery, never what a collective
     is "via"."""
-    return module == "zeroedu.launch" or module.startswith("zeroedu.launch_")
+    return module == "zeroedu.launch" or module.startswith("zeroedu.launch.")
 
 
 class _WatchedWork:
