@@ -52,6 +52,17 @@ SLOW_TESTS = [
     "tests/test_course.py::test_train_matches_one_process_with_torch_adam",
     "tests/test_course.py::test_local_engine_holds_16_bytes_per_parameter",
     "tests/test_course_big.py::test_tinygpt_inside_init_equals_tinygpt_built_whole",
+    # the grader end to end: each grades notebooks in fresh kernels (about 27 s a notebook under load; their own
+    # timeouts are 300-1500 s); test_a_100_mb_error... and the sandbox's own tests keep it in the fast tier
+    "tests/test_grading.py::test_every_solution_scores_full_marks",
+    "tests/test_grading.py::test_every_exercise_stub_scores_zero_with_a_helpful_message",
+    "tests/test_grading.py::test_wrong_answers_lose_their_points_with_a_hint",
+    "tests/test_grading.py::test_gradebook_of_three_learners_one_hanging_one_crashing",
+    "tests/test_grading.py::test_printing_megabytes_and_deleting_outside_files",
+    "tests/test_grading.py::test_hostile_submissions_score_what_they_should_and_change_nothing_outside",
+    "tests/test_grading.py::test_rank_failures_keep_the_learners_line_and_name_the_rank_that_left_the_collective",
+    "tests/test_grading.py::test_ten_correct_but_different_solutions_score_full_marks",
+    "tests/test_grading.py::test_gradebook_counts_unreadable_as_zero_of_full_grades_the_newest_copy_and_refuses_links",
     "tests/test_ci.py::test_a_missing_browser_skips_locally_and_fails_on_ci",
     "tests/test_ci.py::test_the_slow_list_names_tests_that_exist",
 ]
