@@ -63,6 +63,10 @@ SLOW_TESTS = [
     "tests/test_grading.py::test_rank_failures_keep_the_learners_line_and_name_the_rank_that_left_the_collective",
     "tests/test_grading.py::test_ten_correct_but_different_solutions_score_full_marks",
     "tests/test_grading.py::test_gradebook_counts_unreadable_as_zero_of_full_grades_the_newest_copy_and_refuses_links",
+    "tests/test_grading.py::test_sandboxed_kernels_are_interrupted_and_killed_like_trusted_ones",   # 43 s
+    "tests/test_launch.py::test_a_folder_left_by_a_killed_launch_is_removed_by_the_next",           # 15 s
+    "tests/test_launch.py::test_torchrun_two_nodes",                                    # one node stays fast
+    "tests/test_launch.py::test_under_nohup_a_hangup_leaves_the_run_going",
     "tests/test_ci.py::test_a_missing_browser_skips_locally_and_fails_on_ci",
     "tests/test_ci.py::test_the_slow_list_names_tests_that_exist",
 ]
