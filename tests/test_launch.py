@@ -507,7 +507,7 @@ def test_init_distributed_single_process():
 def _torchrun_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT")}
-    env["GLOO_SOCKET_IFNAME"] = L._loopback_interface()  # single machine: keep gloo on loopback
+    env["GLOO_SOCKET_IFNAME"] = L.loopback_interface()  # single machine: keep gloo on loopback
     return env
 
 

@@ -32,7 +32,7 @@ def test_bench_runs_every_stage_against_its_peer():
                      zero={"stage3_param_persistence_threshold": 0})
     assert [(r["stage"], r["peer"].split()[0]) for r in rows] == [
         (0, "DDP"), (1, "ZeroRedundancyOptimizer"), (2, "FSDP2"), (3, "FSDP2")]
-    sizes = [p.numel() for p in dict.fromkeys(TinyGPT(pairs._workload(32, 1), seed=0).parameters())]
+    sizes = [p.numel() for p in dict.fromkeys(TinyGPT(pairs.workload_config(32, 1), seed=0).parameters())]
     psi = sum(sizes)
     assert all(n % 2 == 0 for n in sizes)   # no padding at N = 2, whatever the buckets
     for r in rows:

@@ -50,7 +50,8 @@ def __getattr__(name: str):
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as missing:
-        if missing.name != "torch":
+        # Without torch, what fails first may be another package installed with it (cloudpickle): name torch.
+        if missing.name != "torch" and importlib.util.find_spec("torch") is not None:
             raise
         raise ImportError(f"zeroedu.{name}: {_TORCH_FIX}") from missing
     value = getattr(module, name) if name in _API else module

@@ -26,7 +26,7 @@ import argparse
 import os
 
 from zeroedu.bench.collective_times import collectives
-from zeroedu.bench.offloading import _format_offload_rows, _offload_rows, cpu_adam_speed
+from zeroedu.bench.offloading import cpu_adam_speed, format_offload_rows, offload_rows
 from zeroedu.bench.pairs import ZERO, Workload, bench_mlp, format_rows, live_bytes, run, zeroedu_config
 from zeroedu.bench.profiling import profile
 
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_rows(rows, a.world_size))
     print(f"\nload average (1 min) before: {load:.2f}, after: {os.getloadavg()[0]:.2f}, on {os.cpu_count()} cores")
     if a.offload:
-        offload = _offload_rows(a.world_size, a.d_model, a.layers, a.rounds, a.warmup, a.micro_batch, zero)
-        print("\n" + _format_offload_rows(offload, a.world_size, a.d_model, a.layers))
+        offload = offload_rows(a.world_size, a.d_model, a.layers, a.rounds, a.warmup, a.micro_batch, zero)
+        print("\n" + format_offload_rows(offload, a.world_size, a.d_model, a.layers))
     print(f"\nratio = zeroedu step time / peer step time (below 1.0: zeroedu is faster), {rows[0]['device']}: "
           "gloo timings on a CPU say nothing about NCCL on GPUs.")
     return 0

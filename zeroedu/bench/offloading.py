@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from zeroedu.bench.pairs import _mib, _peer_owned, _rank_device, _take_turns, _workload, zeroedu_config
+from zeroedu.bench.pairs import mib, peer_owned, rank_device, take_turns, workload_config, zeroedu_config
 from zeroedu.theory.vocab import MODEL_STATES
 
 
@@ -102,7 +102,7 @@ def _offload_peer_step(cfg, device: torch.device, offload: bool, adam: dict) -> 
         opt.step()
         opt.zero_grad()
 
-    return p_step, lambda: _peer_owned(model, opt)
+    return p_step, lambda: peer_owned(model, opt)
 
 
 def _time_spent(e, marks: tuple[int, int], warmup: int, rounds: int) -> dict[str, float]:
@@ -126,8 +126,8 @@ def _offload_rank(rank: int, world: int, d_model: int, layers: int, rounds: int,
     from zeroedu.memory import PeakTracker, resident
     from zeroedu.models import gpt_batch, gpt_loss, shard_batch
 
-    cfg = _workload(d_model, layers)
-    device = _rank_device()
+    cfg = workload_config(d_model, layers)
+    device = rank_device()
     batches = [[t.to(device) for t in shard_batch(*gpt_batch(s, mb * world, cfg), rank, world)]
                for s in range(warmup + rounds + 1)]
     engines = _offload_engines(cfg, mb, zero, nvme_path, device)
@@ -141,7 +141,7 @@ def _offload_rank(rank: int, world: int, d_model: int, layers: int, rounds: int,
     def mark() -> None:   # where the timed rounds start in each engine's timelines
         marks.update({n: (len(e.timeline), len(getattr(e, "adam_timeline", []))) for n, e in engines.items()})
 
-    times = _take_turns(steps, batches, warmup, rounds, device, mark)
+    times = take_turns(steps, batches, warmup, rounds, device, mark)
     out: dict = {"times": times, "device": f"{dist.get_backend()} on {device.type.upper()}"}
     spent = {name: _time_spent(e, marks[name], warmup, rounds) for name, e in engines.items()}
     for name in steps:   # one more step each under the memory tracker (not timed), then bytes by tier
@@ -165,7 +165,7 @@ def _offload_rank(rank: int, world: int, d_model: int, layers: int, rounds: int,
     return out
 
 
-def _offload_rows(world_size: int = 2, d_model: int = 256, layers: int = 4, rounds: int = 10, warmup: int = 2,
+def offload_rows(world_size: int = 2, d_model: int = 256, layers: int = 4, rounds: int = 10, warmup: int = 2,
                   micro_batch: int = 4, zero: dict | None = None, nvme_path: str | None = None) -> list[dict]:
     """One row per contender: median step time (a round's step lasts as long as its slowest rank), the median
     over rounds of its time over OFFLOAD_PEER's in the same round (with quartiles), over FSDP2 +
@@ -204,7 +204,7 @@ def _offload_rows(world_size: int = 2, d_model: int = 256, layers: int = 4, roun
     return rows
 
 
-def _format_offload_rows(rows: list[dict], world_size: int, d_model: int, layers: int) -> str:
+def format_offload_rows(rows: list[dict], world_size: int, d_model: int, layers: int) -> str:
     lines = [f"Offload: TinyGPT d_model={d_model} layers={layers}, fp32 Adam, {world_size} ranks, "
              f"{rows[0]['backend']}, {rows[0]['rounds']} rounds. Model states per rank by tier (on a machine "
              "without a GPU the device is the CPU: device and host are the same memory, kept apart as accounting)",
@@ -215,11 +215,11 @@ def _format_offload_rows(rows: list[dict], world_size: int, d_model: int, layers
         med, q1, q3 = r["vs_peer"]
         m = r["moved"]
         pcie, disk = m.get("d2h", 0) + m.get("h2d", 0), m.get("nvme2h", 0) + m.get("h2nvme", 0)
-        moved = f"{_mib(pcie)}, {_mib(disk)}"
+        moved = f"{mib(pcie)}, {mib(disk)}"
         base = "" if r["vs_no_offload"] is None else f"{r['vs_no_offload']:.2f}x"
         lines.append(f"| {r['config']} | {r['ms']:.1f} | {med:.2f}x ({q1:.2f}-{q3:.2f}) | "
-                     f"{r['vs_peer_default_adam']:.2f}x | {base} | {_mib(r['device'])} | {_mib(r['host'])} | "
-                     f"{_mib(r['nvme'])} | {_mib(r['peak'], 1)} | {moved if m else ''} |")
+                     f"{r['vs_peer_default_adam']:.2f}x | {base} | {mib(r['device'])} | {mib(r['host'])} | "
+                     f"{mib(r['nvme'])} | {mib(r['peak'], 1)} | {moved if m else ''} |")
     cols = ("forward", "backward", "step", "host Adam", "d2h + h2d", "NVMe I/O")
     lines += ["", "Where zeroedu's step time goes (rank 0, mean ms per timed step; host Adam runs inside the step "
               "phase, the gradient copies (d2h) on the comm thread during backward, NVMe I/O on its own thread)",

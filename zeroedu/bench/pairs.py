@@ -13,7 +13,7 @@ from zeroedu.fmt import fmt_bytes
 from zeroedu.theory.vocab import MODEL_STATES
 
 
-def _workload(d_model: int, layers: int):
+def workload_config(d_model: int, layers: int):
     from zeroedu.models import TinyGPTConfig
 
     return TinyGPTConfig(vocab_size=512, seq_len=64, d_model=d_model, n_layer=layers, n_head=4)
@@ -36,7 +36,7 @@ class Workload:
         if kind not in ("gpt", "mlp"):
             raise ValueError(f"workload must be 'gpt' or 'mlp', got {kind!r}")
         self.kind, self.width, self.layers = kind, width, layers
-        self.gpt = _workload(width, layers) if kind == "gpt" else None
+        self.gpt = workload_config(width, layers) if kind == "gpt" else None
 
     def model(self) -> torch.nn.Module:
         from zeroedu.models import TinyGPT
@@ -84,7 +84,7 @@ def _peer_model(kind: str, work: Workload, device: torch.device):
     return model, torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
 
 
-def _peer_owned(model, opt):
+def peer_owned(model, opt):
     def local(t):
         return t.to_local() if hasattr(t, "to_local") else t
 
@@ -137,13 +137,13 @@ def _contenders(stage: int) -> list[str]:
     return ["zeroedu", "peer"] + (["zeroedu stage 2"] if stage == 3 else []) + ["limit"]
 
 
-def _rank_device() -> torch.device:
+def rank_device() -> torch.device:
     import torch.distributed as dist
 
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _take_turns(steps: dict[str, Callable], batches: list, warmup: int, rounds: int, device: torch.device,
+def take_turns(steps: dict[str, Callable], batches: list, warmup: int, rounds: int, device: torch.device,
                 at_first_timed_round: Callable[[], None] | None = None) -> dict[str, list[float]]:
     """Every contender one step per round on the round's batch, the order rotating every round; the rounds after
     `warmup` are timed. A barrier starts each step, and on a GPU a synchronize ends it."""
@@ -245,7 +245,7 @@ def _bench_rank(rank: int, world: int, work: Workload, rounds: int, warmup: int,
     from zeroedu.memory import resident
     from zeroedu.models import shard_batch
 
-    device = _rank_device()
+    device = rank_device()
     batches = [[t.to(device) for t in shard_batch(*work.batch(s, mb * world), rank, world)]
                for s in range(warmup + rounds + 1)]
     block = max(sum(p.numel() for p in b.parameters()) for b in work.blocks(work.model()))
@@ -267,14 +267,14 @@ def _bench_rank(rank: int, world: int, work: Workload, rounds: int, warmup: int,
                     opt.zero_grad()   # torch's default (set_to_none=True): the peers' usual, fastest path
 
                 steps[name] = p_step
-                owned[name] = lambda model=model, opt=opt: _peer_owned(model, opt)
+                owned[name] = lambda model=model, opt=opt: peer_owned(model, opt)
                 continue
             config = zeroedu_config(2 if name.endswith("stage 2") else stage, mb, zero, block, defaults)
             engine, *_ = zeroedu.initialize(model=work.model(), config=config)
             engines[name] = engine
             steps[name] = lambda x, y, e=engine: e.train_batch((x, y), work.loss)
             owned[name] = engine.owned
-        row = {"times": _take_turns(steps, batches, warmup, rounds, device)}
+        row = {"times": take_turns(steps, batches, warmup, rounds, device)}
         row["limit_compute"], row["limit_transfer"] = limit.compute[warmup:], limit.transfer[warmup:]
         del steps["limit"]
         for name in steps:   # one more step each, under torch's MemTracker (not timed)
@@ -364,7 +364,7 @@ def _fmt_ratio(r: tuple[float, float, float]) -> str:
     return f"{g:.2f}x ({q1:.2f}-{q3:.2f})"
 
 
-def _mib(n: float, digits: int = 2) -> str:   # a table cell: the column header names the unit
+def mib(n: float, digits: int = 2) -> str:   # a table cell: the column header names the unit
     return fmt_bytes(n, "MiB", digits, label="", grouping=False)
 
 
@@ -384,10 +384,10 @@ def format_rows(rows: list[dict], world_size: int, d_model: int | None = None, l
         sizes = f"{reduce:,}" + (f", {prefetch:,}" if r["stage"] == 3 else "")
         lines.append(f"| {r['stage']} | {r['peer']} | {r['zeroedu_ms']:.1f} | {r['peer_ms']:.1f} | "
                      f"{r['ratio']:.2f}x ({r['ratio_q1']:.2f}-{r['ratio_q3']:.2f}) | "
-                     f"{_mib(r['zeroedu_resident'], 1)} / {_mib(r['zeroedu_peak'], 1)} | "
-                     f"{_mib(r['peer_resident'], 1)} / {_mib(r['peer_peak'], 1)} | "
-                     f"{_mib(r['zeroedu_states'])} {at} {_mib(r['theory_states'])} | "
-                     f"{_mib(r['sent_per_step'])} | {sizes} | "
+                     f"{mib(r['zeroedu_resident'], 1)} / {mib(r['zeroedu_peak'], 1)} | "
+                     f"{mib(r['peer_resident'], 1)} / {mib(r['peer_peak'], 1)} | "
+                     f"{mib(r['zeroedu_states'])} {at} {mib(r['theory_states'])} | "
+                     f"{mib(r['sent_per_step'])} | {sizes} | "
                      f"{r['limit_ms']:.1f} ({r['compute_ms']:.1f} + {r['transfer_ms']:.1f}) | "
                      f"{_fmt_ratio(r['vs_limit'])} | {_fmt_ratio(r['peer_vs_limit'])} |")
     for r in rows:

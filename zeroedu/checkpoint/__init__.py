@@ -22,7 +22,7 @@ and gets back from `load_checkpoint`, as in DeepSpeed.
 
 Changing stage or world size is one call, `engine.load_checkpoint(DIR)` on the new engine: the metadata
 says where every element of every parameter lives in the old shards, and each rank copies out the elements
-its own shard needs under its own layout (`_Layout.runs`). Nothing is converted in between.
+its own shard needs under its own layout (`Layout.runs`). Nothing is converted in between.
 
 Atomic saves: the ranks write into DIR/.TAG.partial; once every rank's file is complete, rank 0 writes the
 metadata and renames the directory to DIR/TAG (a rename is atomic). A crash before that leaves DIR/TAG
@@ -65,31 +65,31 @@ from zeroedu.checkpoint.fileformat import (
     LATEST,
     METADATA,
     CheckpointError,
-    _check_file,
-    _check_size,
-    _check_tag,
-    _Layout,
-    _open_shard,
-    _sha256,
+    Layout,
+    check_file,
+    check_size,
+    check_tag,
+    file_sha256,
+    open_shard,
     read_metadata,
     resolve,
 )
 from zeroedu.checkpoint.fileformat import (
     FORMAT_VERSION as FORMAT_VERSION,  # zeroedu.checkpoint.FORMAT_VERSION, as before
 )
-from zeroedu.checkpoint.files import _commit, _fsync_dir, _write_atomic, _write_checked
+from zeroedu.checkpoint.files import commit_folder, fsync_dir, write_atomic, write_checked
 from zeroedu.checkpoint.state import (
-    _check_model,
-    _extras,
-    _master,
-    _metadata,
-    _my_shard,
-    _optimizer_state,
-    _restore,
-    _rng_state,
-    _set_rng_state,
-    _split_state,
-    _window,
+    build_metadata,
+    check_model,
+    extra_state,
+    master_weights,
+    my_shard,
+    optimizer_state,
+    restore,
+    rng_state,
+    set_rng_state,
+    split_state,
+    window,
 )
 
 __all__ = ["CheckpointError", "consolidate", "load", "main", "read_metadata", "save"]
@@ -150,9 +150,9 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     if rank == 0:
         try:
             _write_metadata(engine, tag, [i for _, i in results], parts, partial)
-            _commit(partial, final)
+            commit_folder(partial, final)
             if save_latest:
-                _write_atomic(os.path.join(save_dir, LATEST), lambda fh: fh.write(tag.encode()))
+                write_atomic(os.path.join(save_dir, LATEST), lambda fh: fh.write(tag.encode()))
         except Exception as e:
             error = _error_text(e)
     # nobody returns before the checkpoint exists
@@ -169,7 +169,7 @@ def _save_tag(engine, tag: str | None, client_state: dict | None) -> str:
     if client_state is not None and not isinstance(client_state, dict):
         raise CheckpointError(f"client_state must be a dict, got {type(client_state).__name__}")
     tag = tag or f"global_step{engine.global_step}"
-    _check_tag(tag)
+    check_tag(tag)
     return tag
 
 
@@ -225,23 +225,23 @@ def _write_shard(engine, partial: str, client_state: dict | None) -> tuple[dict,
     rank = engine.rank
     if client_state:   # here, so that every rank hears of it (a rank's client_state is its own)
         _check_client_state(client_state)
-    master = _master(engine)
-    states = _optimizer_state(engine)
-    elem, scalars = _split_state(states, master)
-    extras = _extras(engine) if rank == 0 else {}
+    master = master_weights(engine)
+    states = optimizer_state(engine)
+    elem, scalars = split_state(states, master)
+    extras = extra_state(engine) if rank == 0 else {}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
     shard = {
         "format": FORMAT, "rank": rank, "world_size": engine.world_size,
-        "master": _my_shard(engine, [m.float() for m in master]),
-        "optimizer": {k: _my_shard(engine, [s[k] for s in states]) for k in elem},
+        "master": my_shard(engine, [m.float() for m in master]),
+        "optimizer": {k: my_shard(engine, [s[k] for s in states]) for k in elem},
         "optimizer_scalars": scalars, "param_groups": groups,
-        "rng": _rng_state(), "client_state": dict(client_state or {}),
+        "rng": rng_state(), "client_state": dict(client_state or {}),
         "extras": {k: v.clone() for k, v in extras.items()},
     }
     name = f"rank{rank}.pt"
     f = os.path.join(partial, name)
-    _write_checked(f, lambda fh: torch.save(shard, fh))
-    info = {"name": name, "rank": rank, "bytes": os.path.getsize(f), "sha256": _sha256(f),
+    write_checked(f, lambda fh: torch.save(shard, fh))
+    info = {"name": name, "rank": rank, "bytes": os.path.getsize(f), "sha256": file_sha256(f),
             "tensor_bytes": sum(t.numel() * t.element_size() for t in [shard["master"], *shard["optimizer"]
                                                                      .values()])}
     return info, (elem, scalars, extras)
@@ -250,27 +250,27 @@ def _write_shard(engine, partial: str, client_state: dict | None) -> tuple[dict,
 def _write_metadata(engine, tag: str, files: list[dict], parts: tuple[list[str], dict, dict], partial: str) -> None:
     """Rank 0, once every rank's file is complete: DIR/.TAG.partial/metadata.json, flushed with its folder."""
     elem, scalars, extras = parts
-    meta = _metadata(engine, tag, files, elem, scalars, extras)
-    _write_checked(os.path.join(partial, METADATA), lambda fh: fh.write(json.dumps(meta, indent=1).encode()))
-    _fsync_dir(partial)
+    meta = build_metadata(engine, tag, files, elem, scalars, extras)
+    write_checked(os.path.join(partial, METADATA), lambda fh: fh.write(json.dumps(meta, indent=1).encode()))
+    fsync_dir(partial)
 
 
 # -- load -----------------------------------------------------------------------------------------------------
 
 def _read_for_rank(engine, path: str, meta: dict, load_optimizer_states: bool) -> dict:
     """Everything this rank needs, read and checked, in new tensors; the engine is not touched."""
-    _check_model(meta, engine, path)
+    check_model(meta, engine, path)
     elem = meta["optimizer"]["state_keys"] if load_optimizer_states else []
     if load_optimizer_states and meta["optimizer"]["type"] != type(engine.optimizer).__name__:
         raise CheckpointError(f"{os.path.join(path, METADATA)}: the checkpoint holds {meta['optimizer']['type']} "
                               f"state, this engine uses {type(engine.optimizer).__name__}. Configure the same "
                               "optimizer, or pass load_optimizer_states=False to load the weights only.")
-    src = _Layout.of(meta)
-    master = _master(engine)
+    src = Layout.of(meta)
+    master = master_weights(engine)
     dst = {k: [torch.zeros(m.numel(), dtype=torch.float32) for m in master] for k in ["master", *elem]}
     plan: dict[int, list[tuple[int, int, int, int]]] = {r: [] for r in range(src.world_size)}
     for i, (b, m) in enumerate(zip(engine.layout.buckets, master, strict=True)):
-        lo = _window(engine, b, m)
+        lo = window(engine, b, m)
         hi = lo + m.numel()
         for p, off, shape in zip(b.params, b.offsets, b.shapes, strict=True):
             e0, e1 = max(lo, off) - off, min(hi, off + shape.numel()) - off
@@ -281,10 +281,10 @@ def _read_for_rank(engine, path: str, meta: dict, load_optimizer_states: bool) -
     # Every file is checked by some rank, even one that no rank needs (a shard of padding only).
     checked = {info["rank"] for info in meta["files"][engine.rank::engine.world_size]}
     for r in sorted(checked):
-        _check_file(path, meta["files"][r])
+        check_file(path, meta["files"][r])
     out: dict = {"tensors": dst}
     for r in needed:
-        data = _open_shard(path, meta["files"][r], meta, checked=r in checked)
+        data = open_shard(path, meta["files"][r], meta, checked=r in checked)
         for key, tensors in dst.items():
             srcs = data["master"] if key == "master" else data["optimizer"][key]
             for i, d, s, n in plan[r]:
@@ -350,11 +350,11 @@ def _apply(engine, new: dict, meta: dict, load_optimizer_states: bool, module_on
                   **{k: tensors[k][i] for k in elem}} for i in range(len(tensors["master"]))]
         for group, saved in zip(engine.optimizer.param_groups, new["param_groups"], strict=True):
             group.update(saved)
-    _restore(engine, tensors["master"], state)
+    restore(engine, tensors["master"], state)
     with engine.comm.in_phase("init"):
         engine.publish()                                # compute parameters from the master weights
         engine.wait()
-    current = _extras(engine)
+    current = extra_state(engine)
     for k, v in new["extras"].items():
         current[k].copy_(v)
     if module_only:
@@ -366,7 +366,7 @@ def _apply(engine, new: dict, meta: dict, load_optimizer_states: bool, module_on
     if meta["precision"] == "fp16" and engine.precision == "fp16":
         engine.scaler.load_state_dict(meta["loss_scaler"])
     if meta["world_size"] == engine.world_size:
-        _set_rng_state(new["rng"])
+        set_rng_state(new["rng"])
 
 
 # -- consolidation ---------------------------------------------------------------------------------------------
@@ -380,10 +380,10 @@ def consolidate(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.
     """
     path = resolve(checkpoint_dir, tag)
     meta = read_metadata(path)
-    src = _Layout.of(meta)
+    src = Layout.of(meta)
     for info in meta["files"]:   # the files hold what the metadata says, before anything that size is allocated
         if os.path.exists(f := os.path.join(path, info["name"])):
-            _check_size(f, info)
+            check_size(f, info)
     flat = {p["name"]: torch.zeros(int(np.prod(p["shape"], dtype=np.int64)), dtype=torch.float32)
             for p in meta["parameters"]}
     plan: dict[int, list] = {r: [] for r in range(src.world_size)}
@@ -392,7 +392,7 @@ def consolidate(checkpoint_dir: str, tag: str | None = None) -> dict[str, torch.
             plan[r].append((t, e, s, n))
     extras: dict[str, torch.Tensor] = {}
     for r in range(src.world_size):
-        data = _open_shard(path, meta["files"][r], meta)
+        data = open_shard(path, meta["files"][r], meta)
         for t, e, s, n in plan[r]:
             t[e: e + n].copy_(data["master"][s: s + n])
         if r == 0:
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"zeroedu consolidate: error: {e}", file=sys.stderr)
         return 1
     try:
-        _write_atomic(args.output, lambda fh: torch.save(sd, fh))
+        write_atomic(args.output, lambda fh: torch.save(sd, fh))
     except (OSError, CheckpointError) as e:   # a read-only folder, a missing parent folder, a full disk
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         print(f"zeroedu consolidate: error: cannot write {args.output}: {why}. Nothing was written; give a path "

@@ -1,7 +1,7 @@
 """What a zeroedu checkpoint is on disk, and the checks that a folder holds one.
 
 The names (DIR/TAG/metadata.json, DIR/TAG/rank{r}.pt, DIR/latest), the metadata's check of its own content,
-where each parameter element lives in the old shards (`_Layout`), and the checks every shard file passes before
+where each parameter element lives in the old shards (`Layout`), and the checks every shard file passes before
 anything is read from it: a plain file inside the checkpoint folder, the size and sha256 that the metadata
 recorded, and contents that match the metadata. `resolve` finds a checkpoint by its tag. zeroedu.checkpoint
 describes the format as a whole and saves and loads with these.
@@ -33,7 +33,7 @@ class CheckpointError(RuntimeError):
 # -- the metadata ---------------------------------------------------------------------------------------------
 
 @dataclass
-class _Layout:
+class Layout:
     """Where each parameter element sits in the shards of a saved checkpoint."""
 
     world_size: int
@@ -41,7 +41,7 @@ class _Layout:
     params: dict[str, dict] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, meta: dict) -> _Layout:
+    def of(cls, meta: dict) -> Layout:
         return cls(meta["world_size"], meta["buckets"], {p["name"]: p for p in meta["parameters"]})
 
     def runs(self, name: str, e0: int, e1: int):
@@ -56,7 +56,7 @@ class _Layout:
             e0 += n
 
 
-def _self_hash(meta: dict) -> str:
+def self_hash(meta: dict) -> str:
     body = {k: v for k, v in meta.items() if k != "metadata_sha256"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
@@ -78,7 +78,7 @@ def read_metadata(path: str) -> dict:
         raise CheckpointError(f"{f} has format version {meta.get('format_version')}; this zeroedu reads version "
                               f"{FORMAT_VERSION}. Load it with the zeroedu version that wrote it "
                               f"({meta.get('zeroedu_version')}).")
-    if meta.get("metadata_sha256") != _self_hash(meta):
+    if meta.get("metadata_sha256") != self_hash(meta):
         raise CheckpointError(f"{f} was modified after it was saved: its metadata_sha256 does not match its "
                               "content. Restore the original file.")
     files = meta.get("files")
@@ -180,7 +180,7 @@ def _check_fields(meta: dict, path: str) -> None:
 
 # -- the files ------------------------------------------------------------------------------------------------
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -205,7 +205,7 @@ def _shard_path(path: str, info: dict) -> str:
     return f
 
 
-def _check_size(f: str, info: dict) -> None:
+def check_size(f: str, info: dict) -> None:
     """The file has the size the metadata recorded (a stat: checked before anything that size is allocated)."""
     size = os.path.getsize(f)
     if size < info["bytes"]:
@@ -216,14 +216,14 @@ def _check_size(f: str, info: dict) -> None:
                               f"overwritten, or {METADATA} comes from another checkpoint.")
 
 
-def _check_file(path: str, info: dict) -> str:
+def check_file(path: str, info: dict) -> str:
     """The file exists and has the size and sha256 that the metadata recorded; returns its path."""
     f = _shard_path(path, info)
     if not os.path.exists(f):
         raise CheckpointError(f"{f} is missing: {METADATA} lists it (rank {info['rank']}'s shard), so the "
                               "checkpoint is incomplete. Copy the whole checkpoint directory.")
-    _check_size(f, info)
-    digest = _sha256(f)
+    check_size(f, info)
+    digest = file_sha256(f)
     if digest != info["sha256"]:
         raise CheckpointError(f"{f} was modified or corrupted after it was saved: its sha256 is {digest[:16]}..., "
                               f"{METADATA} says {info['sha256'][:16]}... (or {METADATA} comes from another "
@@ -231,9 +231,9 @@ def _check_file(path: str, info: dict) -> str:
     return f
 
 
-def _open_shard(path: str, info: dict, meta: dict, checked: bool = False) -> dict:
+def open_shard(path: str, info: dict, meta: dict, checked: bool = False) -> dict:
     """torch.load one rank file after checking it against the metadata; raise CheckpointError naming it."""
-    f = _shard_path(path, info) if checked else _check_file(path, info)
+    f = _shard_path(path, info) if checked else check_file(path, info)
     try:
         data = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
@@ -265,7 +265,7 @@ def resolve(checkpoint_dir: str, tag: str | None = None) -> str:
                                   f"(tags here: {_tags(checkpoint_dir)})")
         with open(latest) as f:
             tag = f.read().strip()
-    _check_tag(tag)
+    check_tag(tag)
     path = os.path.join(checkpoint_dir, tag)
     if os.path.isdir(path):
         return path
@@ -291,7 +291,7 @@ def _tags(checkpoint_dir: str) -> list[str]:
     return sorted(tags)
 
 
-def _check_tag(tag: str) -> None:
+def check_tag(tag: str) -> None:
     if not tag or "/" in tag or os.sep in tag or tag.startswith(".") or tag == LATEST:
         raise CheckpointError(f"tag {tag!r} is not a plain directory name (no '/', no leading '.', not "
                               f"'{LATEST}')")

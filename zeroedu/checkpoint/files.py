@@ -1,6 +1,6 @@
 """Writing a checkpoint's files so that a crash never leaves a half-written checkpoint where a complete one is
 looked for: each file flushed to disk (fsync), `latest` replaced atomically, and a finished save renamed into
-place (`_commit`). A full disk or file-size limit is said in bytes, instead of torch's "unexpected pos".
+place (`commit_folder`). A full disk or file-size limit is said in bytes, instead of torch's "unexpected pos".
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import shutil
 from zeroedu.checkpoint.fileformat import CheckpointError
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -66,7 +66,7 @@ def _errno_of(e: BaseException) -> int | None:
     return None
 
 
-def _write_checked(path: str, write) -> None:
+def write_checked(path: str, write) -> None:
     """_write, and when the disk (or the file-size limit) is full: remove the piece written and say how many
     bytes the file needs and how many there are, instead of torch's "unexpected pos"."""
     try:
@@ -96,14 +96,14 @@ def _write_checked(path: str, write) -> None:
                               "another folder.") from e
 
 
-def _write_atomic(path: str, write) -> None:
+def write_atomic(path: str, write) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    _write_checked(tmp, write)
+    write_checked(tmp, write)
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def _commit(partial: str, final: str) -> None:
+def commit_folder(partial: str, final: str) -> None:
     """Move the complete `partial` directory to `final`; at every instant a complete checkpoint is findable."""
     previous = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.previous")
     if os.path.exists(final) and os.path.exists(previous):
@@ -111,5 +111,5 @@ def _commit(partial: str, final: str) -> None:
     if os.path.exists(final):
         os.rename(final, previous)
     os.rename(partial, final)
-    _fsync_dir(os.path.dirname(final))
+    fsync_dir(os.path.dirname(final))
     shutil.rmtree(previous, ignore_errors=True)

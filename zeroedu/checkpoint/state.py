@@ -1,7 +1,7 @@
 """What a checkpoint takes from an engine and puts back, through the engine protocol's checkpoint hooks.
 
 The engine side of a save: every trained parameter's name, shape, bucket and offset (`_param_entries`), the
-buffers (`_extras`), the fp32 master pieces and the optimizer state (`checkpoint_master`,
+buffers (`extra_state`), the fp32 master pieces and the optimizer state (`checkpoint_master`,
 `checkpoint_optimizer_state`), cut into this rank's shard; the metadata that describes the engine; and the RNG
 states. The engine side of a load: the check that a checkpoint describes this engine's model, and
 `restore_checkpoint`.
@@ -16,7 +16,7 @@ import random
 import numpy as np
 import torch
 
-from zeroedu.checkpoint.fileformat import FORMAT, FORMAT_VERSION, METADATA, CheckpointError, _self_hash
+from zeroedu.checkpoint.fileformat import FORMAT, FORMAT_VERSION, METADATA, CheckpointError, self_hash
 
 # -- the engine side ------------------------------------------------------------------------------------------
 
@@ -34,25 +34,25 @@ def _param_entries(engine) -> list[dict]:
     return out
 
 
-def _extras(engine) -> dict[str, torch.Tensor]:
+def extra_state(engine) -> dict[str, torch.Tensor]:
     """What the module's state_dict holds besides the trained parameters: buffers, frozen parameters."""
     trained = {n for e in _param_entries(engine) for n in [e["name"], *e["aliases"]]}
     return {k: v.detach() for k, v in engine.module.state_dict().items() if k not in trained}
 
 
-def _master(engine) -> list[torch.Tensor]:
+def master_weights(engine) -> list[torch.Tensor]:
     return engine.checkpoint_master()
 
 
-def _optimizer_state(engine) -> list[dict]:
+def optimizer_state(engine) -> list[dict]:
     return engine.checkpoint_optimizer_state()
 
 
-def _restore(engine, master: list[torch.Tensor], state: list[dict] | None) -> None:
+def restore(engine, master: list[torch.Tensor], state: list[dict] | None) -> None:
     engine.restore_checkpoint(master, state)
 
 
-def _window(engine, b, piece: torch.Tensor) -> int:
+def window(engine, b, piece: torch.Tensor) -> int:
     """Where a master piece starts inside its bucket: 0 if it is the whole bucket (stage 0), else rank x piece."""
     if piece.numel() == b.padded:
         return 0
@@ -62,17 +62,17 @@ def _window(engine, b, piece: torch.Tensor) -> int:
     return engine.rank * b.piece
 
 
-def _my_shard(engine, tensors: list[torch.Tensor]) -> torch.Tensor:
+def my_shard(engine, tensors: list[torch.Tensor]) -> torch.Tensor:
     """This rank's piece of every bucket, back to back (a new tensor), from per-bucket pieces or whole buckets."""
     parts = []
     for b, t in zip(engine.layout.buckets, tensors, strict=True):
-        _window(engine, b, t)   # checks the size
+        window(engine, b, t)   # checks the size
         lo = engine.rank * b.piece if t.numel() == b.padded else 0
         parts.append(t.reshape(-1)[lo: lo + b.piece])
     return torch.cat(parts).to("cpu")
 
 
-def _split_state(states: list[dict], master: list[torch.Tensor]):
+def split_state(states: list[dict], master: list[torch.Tensor]):
     """Optimizer state as per-element tensors (sharded like the master) and per-piece scalars (equal on all)."""
     keys = sorted(states[0]) if states else []
     if any(sorted(s) != keys for s in states):
@@ -109,7 +109,7 @@ def _scheduler_state(engine) -> dict | None:
     return state
 
 
-def _metadata(engine, tag: str, files: list[dict], elem: list[str], scalars: dict, extras: dict) -> dict:
+def build_metadata(engine, tag: str, files: list[dict], elem: list[str], scalars: dict, extras: dict) -> dict:
     from zeroedu._version import __version__
 
     zc = engine.config.zero_optimization
@@ -137,11 +137,11 @@ def _metadata(engine, tag: str, files: list[dict], elem: list[str], scalars: dic
         "files": files,
         "config": engine.config.resolved(),   # every key as the run used it, the `zeroedu` knobs included
     }
-    meta["metadata_sha256"] = _self_hash(meta)
+    meta["metadata_sha256"] = self_hash(meta)
     return meta
 
 
-def _check_model(meta: dict, engine, path: str) -> None:
+def check_model(meta: dict, engine, path: str) -> None:
     """The checkpoint must describe this engine's model: the same parameter names and shapes."""
     f = os.path.join(path, METADATA)
     theirs = {p["name"]: p["shape"] for p in meta["parameters"]}
@@ -158,7 +158,7 @@ def _check_model(meta: dict, engine, path: str) -> None:
             raise CheckpointError(f"{f}: shape mismatch for parameter '{name}': {shape} in the checkpoint, "
                                   f"{mine[name]} in this model. Build the model with the configuration it was "
                                   "saved with.")
-    extras = _extras(engine)
+    extras = extra_state(engine)
     for e in meta["extras"]:
         if e["name"] not in extras or list(extras[e["name"]].shape) != e["shape"]:
             have = list(extras[e["name"]].shape) if e["name"] in extras else "absent"
@@ -168,7 +168,7 @@ def _check_model(meta: dict, engine, path: str) -> None:
 
 # -- RNG ----------------------------------------------------------------------------------------------------
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
@@ -177,7 +177,7 @@ def _rng_state() -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     kind, keys, pos, has_gauss, gauss = state["numpy"]

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,10 +40,12 @@ from zeroedu.comm.collectives import (
     native,
     single,
 )
-from zeroedu.comm.ledger import Ledger, LedgerEntry, _rebuild_ledger  # noqa: F401 (old pickles of a Ledger name it here)
+from zeroedu.comm.ledger import Ledger, LedgerEntry
+from zeroedu.comm.ledger import rebuild_ledger as _rebuild_ledger  # noqa: F401 (old pickles name it here)
 from zeroedu.comm.thread import Handle, worker
 
-__all__ = ["ALL_GATHER_SINGLE", "AUTO_ON_GLOO", "REDUCE_SCATTER_SINGLE", "Comm", "Handle", "Ledger", "LedgerEntry"]
+__all__ = ["ALL_GATHER_SINGLE", "AUTO_ON_GLOO", "REDUCE_SCATTER_SINGLE", "CollectiveObserver", "Comm", "Handle",
+           "Ledger", "LedgerEntry", "observe"]
 
 # "auto" on gloo, per op: the fastest of the implementations that count their sent bytes (gloo's reduce-scatter is
 # an all-reduce plus a slice); the measurements: docs/benchmarks.md, "Measurements behind the code".
@@ -64,21 +67,39 @@ def _agreement_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     return _AGREEMENT_GROUPS[key]
 
 
+class CollectiveObserver(Protocol):
+    """What watches this rank's collectives. The launcher installs one in every rank it starts (`observe`), so a
+    mismatched collective or a hang is named with the ranks and the ops; the comm layer itself knows no launcher."""
+
+    def next_seq(self, key: str) -> int:
+        """The number of this rank's next collective on the group `key` ("0,1,2,3")."""
+
+    def report(self, text: str | None) -> None:
+        """This rank entered ("waiting|key|seq|op ...") or left ("done|...") a collective; None: user code."""
+
+
+_observer: CollectiveObserver | None = None
+
+
+def observe(observer: CollectiveObserver | None) -> None:
+    """Install the observer of this process's collectives (None: none, as under torchrun or in a plain script)."""
+    global _observer
+    _observer = observer
+
+
+def observer() -> CollectiveObserver | None:
+    """The observer installed by `observe` (a launched rank's context), or None."""
+    return _observer
+
+
 def _group_seq(key: str) -> int | None:
-    """The group's collective count shared with torch.distributed's own calls (zeroedu.launch), or None."""
-    try:
-        from zeroedu.launch import next_collective
-    except ImportError:
-        return None
-    return next_collective(key)
+    """The group's collective count shared with torch.distributed's own calls (the observer's), or None."""
+    return None if _observer is None else _observer.next_seq(key)
 
 
 def _report(text: str | None) -> None:
-    try:
-        from zeroedu.launch import report_status
-    except ImportError:
-        return
-    report_status(text)
+    if _observer is not None:
+        _observer.report(text)
 
 
 class Comm:
@@ -115,7 +136,8 @@ class Comm:
         """Check at every optimizer step (agree()) that every rank ran the same collectives (zeroedu.comm.agreement).
         Every rank of the group calls it, once, in the same order (it makes a process group)."""
         if self.agreement is None:
-            self.agreement = Agreement(self.ranks, _agreement_group(self.ranks) if self.world_size > 1 else None)
+            self.agreement = Agreement(self.ranks, _agreement_group(self.ranks) if self.world_size > 1 else None,
+                                       _observer)
 
     def agree(self, step: int, where: str) -> None:
         """One optimizer step's check: raises CollectiveDriftError if the previous step's showed a drift."""

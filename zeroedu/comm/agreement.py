@@ -49,7 +49,7 @@ def caller_line() -> str:
 class Agreement:
     """The running record of one Comm's collectives, and the per-step check against the other ranks."""
 
-    def __init__(self, ranks: tuple[int, ...], group: dist.ProcessGroup | None) -> None:
+    def __init__(self, ranks: tuple[int, ...], group: dist.ProcessGroup | None, watcher: object = None) -> None:
         self.ranks = ranks
         self.group = group       # a group of its own (None: a world of one, nothing to check)
         self.crc = 0
@@ -64,11 +64,9 @@ class Agreement:
         self.checks = 0
         self.recent: deque[tuple[int, str]] = deque(maxlen=_RECENT)
         self._pending: deque[tuple] = deque()   # (work, outputs) of the checks in flight, oldest first
-        from zeroedu.launch.status import rank_context
-
-        ctx = rank_context()
-        if ctx is not None:      # inside launch(): the parent sees this record in the rank's status slot
-            ctx.agreement = self.record
+        # watcher: the collectives' observer (zeroedu.comm.observe); inside launch() the launcher's rank context
+        if watcher is not None and hasattr(watcher, "agreement"):   # inside launch(): the launcher's rank context,
+            watcher.agreement = self.record                         # whose status slot the parent reads
 
     def record(self) -> dict:
         """What this rank ran since its last check, for the launcher's error when gloo aborts."""

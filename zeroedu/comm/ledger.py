@@ -58,7 +58,7 @@ class Ledger(list):
         self.extend(entries)
 
     def __reduce__(self):   # list subclasses unpickle their items before their attributes: say how instead
-        return _rebuild_ledger, (list(self), self.__dict__)
+        return rebuild_ledger, (list(self), self.__dict__)
 
     # -- recording --
     def append(self, e: LedgerEntry) -> None:
@@ -158,8 +158,11 @@ def _by_phase_op(sums: dict[tuple[str, str, str], list[int]], kinds: tuple[str, 
     return out
 
 
-def _rebuild_ledger(entries: list, state: dict) -> Ledger:
+def rebuild_ledger(entries: list, state: dict) -> Ledger:
     ledger = Ledger(max_entries=None, max_steps=None)
     list.extend(ledger, entries)
     ledger.__dict__.update(state)
     return ledger
+
+
+_rebuild_ledger = rebuild_ledger   # ledgers pickled before it was public name it so

@@ -405,14 +405,17 @@ class ZeroeduConfig:
     section still runs under DeepSpeed. A key left out keeps the module's value (a notebook may have set it);
     `resolved()` reads what a run used, and checkpoints record it."""
 
-    zeropp_weight_bits: int | None = key(None, optional(choice(4, 8)), knob="zeroedu.zeropp:WEIGHT_BITS")
-    zeropp_weight_block: int | None = key(None, integer(1, 1 << 24, null=True), knob="zeroedu.zeropp:WEIGHT_BLOCK")
-    zeropp_grad_bits: int | None = key(None, optional(choice(4, 8)), knob="zeroedu.zeropp:GRAD_BITS")
-    zeropp_grad_block: int | None = key(None, integer(1, 1 << 24, null=True), knob="zeroedu.zeropp:GRAD_BLOCK")
-    node_size: int | None = key(None, integer(1, 1 << 16, null=True), knob="zeroedu.zeropp:NODE_SIZE")
-    cpu_adam: str | None = key(None, optional(choice("fused", "foreach", "loop")), knob="zeroedu.offload:CPU_ADAM")
-    ledger_max_entries: int | None = key(None, integer(1, null=True), knob="zeroedu.ledger:Ledger.max_entries")
-    ledger_max_steps: int | None = key(None, integer(1, null=True), knob="zeroedu.ledger:Ledger.max_steps")
+    zeropp_weight_bits: int | None = key(None, optional(choice(4, 8)), knob="zeroedu.engine.extras.zeropp:WEIGHT_BITS")
+    zeropp_weight_block: int | None = key(None, integer(1, 1 << 24, null=True),
+                                          knob="zeroedu.engine.extras.zeropp:WEIGHT_BLOCK")
+    zeropp_grad_bits: int | None = key(None, optional(choice(4, 8)), knob="zeroedu.engine.extras.zeropp:GRAD_BITS")
+    zeropp_grad_block: int | None = key(None, integer(1, 1 << 24, null=True),
+                                        knob="zeroedu.engine.extras.zeropp:GRAD_BLOCK")
+    node_size: int | None = key(None, integer(1, 1 << 16, null=True), knob="zeroedu.engine.extras.zeropp:NODE_SIZE")
+    cpu_adam: str | None = key(None, optional(choice("fused", "foreach", "loop")),
+                               knob="zeroedu.engine.extras.offload:CPU_ADAM")
+    ledger_max_entries: int | None = key(None, integer(1, null=True), knob="zeroedu.comm.ledger:Ledger.max_entries")
+    ledger_max_steps: int | None = key(None, integer(1, null=True), knob="zeroedu.comm.ledger:Ledger.max_steps")
     timeline_keep: int | None = key(None, integer(1, null=True), knob="zeroedu.engine:TIMELINE_KEEP")
 
     @staticmethod

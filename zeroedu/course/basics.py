@@ -44,7 +44,7 @@ def ds_config(stage: int = 0, precision: str = "fp32", micro_batch: int | None =
     return config
 
 
-def _model(model_cfg=None, seed: int = 0) -> torch.nn.Module:
+def build_model(model_cfg=None, seed: int = 0) -> torch.nn.Module:
     from zeroedu.models import TinyGPT
 
     return TinyGPT(model_cfg, seed=seed)
@@ -54,7 +54,7 @@ def local_engine(precision: str = "fp32", micro_batch: int = 8, model_cfg=None, 
     """A stage-0 engine in this one process (a world of one rank): memory anatomy without launching ranks."""
     import zeroedu
 
-    engine, *_ = zeroedu.initialize(model=_model(model_cfg), config=ds_config(
+    engine, *_ = zeroedu.initialize(model=build_model(model_cfg), config=ds_config(
         0, precision, micro_batch=micro_batch, world_size=1, **kw))
     return engine
 
@@ -118,7 +118,7 @@ def train(rank: int, world_size: int, config: Mapping, steps: int = STEPS, globa
     return value is added as "extra" (anything else a notebook wants to read off the live engine)."""
     import zeroedu
 
-    engine, *_ = zeroedu.initialize(model=_model(model_cfg), config=dict(config))
+    engine, *_ = zeroedu.initialize(model=build_model(model_cfg), config=dict(config))
     losses, since = [], None
     for step in range(steps):
         if timeline and step == steps - 1:
@@ -156,7 +156,7 @@ def reference(steps: int = STEPS, global_batch: int = GLOBAL_BATCH, lr: float = 
     """One process on the global batch with torch's own Adam: the yardstick every stage must match."""
     from zeroedu.models import gpt_batch, gpt_loss
 
-    model = _model(model_cfg)
+    model = build_model(model_cfg)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):

@@ -191,7 +191,7 @@ def fsdp2_side_by_side(rank: int, world: int, sizes: tuple[int, ...] = (32, 256,
     it and at its peak (torch's MemTracker, as zeroedu.bench measures its peers), and the model states."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from zeroedu.bench.pairs import _peer_owned, live_bytes
+    from zeroedu.bench.pairs import live_bytes, peer_owned
     from zeroedu.memory import MODEL_STATES, resident
     from zeroedu.models import MLP, mlp_batch, mlp_loss, shard_batch
 
@@ -209,7 +209,7 @@ def fsdp2_side_by_side(rank: int, world: int, sizes: tuple[int, ...] = (32, 256,
 
         runs[f"FSDP2 reshard_after_forward={reshard}"] = (
             lambda x, y, model=model: mlp_loss(model(x), y), rest, [model, opt],
-            lambda model=model, opt=opt: _peer_owned(model, opt), counted_collectives, lambda c: c.entries)
+            lambda model=model, opt=opt: peer_owned(model, opt), counted_collectives, lambda c: c.entries)
     for stage in (3, 2):
         engine, *_ = zeroedu.initialize(model=MLP(sizes), config=_zero_config(stage, reduce_bucket_size=max(units)))
 

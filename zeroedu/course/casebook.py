@@ -58,7 +58,7 @@ def _steps(engine, rank: int, world: int, steps: int = 2, track: int | None = No
     return losses
 
 
-def _run(rank: int, world: int, cfg: dict, steps: int = 2, track: int | None = 1) -> dict:
+def run_case(rank: int, world: int, cfg: dict, steps: int = 2, track: int | None = 1) -> dict:
     """Train; return the step's ledger (bytes and calls per phase/op), the peak by category and the resident
     model states."""
     engine, *_ = zeroedu.initialize(model=TinyGPT(seed=0), config=cfg)
@@ -110,14 +110,14 @@ def cases(rank: int, world: int, save_dir: str) -> dict:
     r: dict = {}
     # 1: a higher stage holding more: stage 2's bucket at DeepSpeed's 5e8; stage 3 at DeepSpeed's prefetch sizes.
     for stage in (1, 2, 3):
-        r["1", stage] = _run(rank, world, config(stage, **deepspeed_defaults(stage)))
+        r["1", stage] = run_case(rank, world, config(stage, **deepspeed_defaults(stage)))
     # 2 and 6: stage 3 on a small model: collectives per step, with units released (reuse 0) and with DeepSpeed's
     # persistence threshold; bucket sizes.
-    r["2", "s3-released"] = _run(rank, world, config(3, stage3_param_persistence_threshold=0,
+    r["2", "s3-released"] = run_case(rank, world, config(3, stage3_param_persistence_threshold=0,
                                                      stage3_max_reuse_distance=0))
-    r["2", "s2"] = _run(rank, world, config(2))
+    r["2", "s2"] = run_case(rank, world, config(2))
     for bucket in (2_000, 20_000, DS_BUCKET):
-        r["6", bucket] = _run(rank, world, config(2, reduce_bucket_size=bucket, overlap_comm=False))
+        r["6", bucket] = run_case(rank, world, config(2, reduce_bucket_size=bucket, overlap_comm=False))
     # 4: offload: the bytes that cross the "PCIe" (device <-> host copies) per step.
     off = zeroedu.initialize(model=TinyGPT(seed=0), config=config(2, offload_optimizer={"device": "cpu"}))[0]
     _steps(off, rank, world, 2)
@@ -133,11 +133,11 @@ def cases(rank: int, world: int, save_dir: str) -> dict:
     # (stages 2 and 3 at one micro-step are case 2's runs: the same configs)
     r["8", 2, 1], r["8", 3, 1] = r["2", "s2"]["bytes"]["total"], r["2", "s3-released"]["bytes"]["total"]
     for stage, accum in ((1, 1), (1, 4), (2, 4), (3, 4)):
-        run = _run(rank, world, config(stage, accum, stage3_param_persistence_threshold=0))
+        run = run_case(rank, world, config(stage, accum, stage3_param_persistence_threshold=0))
         r["8", stage, accum] = run["bytes"]["total"]
     # 9: hpZ on one "node" (M = N = 2): the secondary shard, and what it changes in bytes (M = 1 is case 2's run).
     r["9", 1] = r["2", "s3-released"]
-    r["9", 2] = _run(rank, world, config(3, zero_hpz_partition_size=2, stage3_param_persistence_threshold=0,
+    r["9", 2] = run_case(rank, world, config(3, zero_hpz_partition_size=2, stage3_param_persistence_threshold=0,
                                          stage3_max_reuse_distance=0))
     r["timing"] = _step_seconds(rank, world)
     return r

@@ -29,7 +29,7 @@ def _config(stage: int, bucket: int, **zero) -> dict:
 
 def measure(rank: int, world: int, save_dir: str) -> dict:
     """Resident and peak bytes by category for each run on this rank (see the module's docstring)."""
-    from zeroedu.course.casebook import DS_LIVE, DS_PERSIST, DS_PREFETCH, DS_REUSE, _run
+    from zeroedu.course.casebook import DS_LIVE, DS_PERSIST, DS_PREFETCH, DS_REUSE, run_case
     from zeroedu.graduate import train
 
     out = {}
@@ -42,7 +42,7 @@ def measure(rank: int, world: int, save_dir: str) -> dict:
                                    "stage3_param_persistence_threshold": DS_PERSIST},
                       "released": {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}}.items():
         cfg = _config(3, DS_BUCKET if key == "ds-sizes" else SMALL_BUCKET, **zero)
-        r = _run(rank, world, cfg)
+        r = run_case(rank, world, cfg)
         out["zeroedu", 3, key] = {"resident": r["resident"], "peak": r["peak"], "peak_total": r["peak_total"]}
     return out
 

@@ -208,11 +208,11 @@ def holdings_rank(rank: int, world_size: int, configs: Mapping[str, Mapping], st
     """For zeroedu.launch: for each named config, train `steps` steps and watch step `watch_step`; returns
     {name: {"frames": this rank's frames of that step, "layout": bucket sizes, "units": stage3_units}}."""
     import zeroedu
-    from zeroedu.course.basics import _model, one_step, stage3_units
+    from zeroedu.course.basics import build_model, one_step, stage3_units
 
     out = {}
     for name, config in configs.items():
-        engine, *_ = zeroedu.initialize(model=_model(model_cfg), config=dict(config))
+        engine, *_ = zeroedu.initialize(model=build_model(model_cfg), config=dict(config))
         w = Watch(engine)
         for step in range(steps):
             w.active = step == watch_step

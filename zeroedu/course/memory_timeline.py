@@ -219,9 +219,9 @@ def timeline_rank(rank: int, world_size: int, config, steps: int = 2, track_step
     """For zeroedu.launch: train `steps` steps; record step `track_step` with MemoryTimeline and, around it, the
     engine's own PeakTracker (engine.track_memory). Returns the Timeline and the engine's memory report."""
     import zeroedu
-    from zeroedu.course.basics import _model, one_step
+    from zeroedu.course.basics import build_model, one_step
 
-    engine, *_ = zeroedu.initialize(model=_model(model_cfg), config=dict(config))
+    engine, *_ = zeroedu.initialize(model=build_model(model_cfg), config=dict(config))
     tl = None
     for step in range(steps):
         if step == track_step:

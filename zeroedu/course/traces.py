@@ -194,9 +194,9 @@ def profile_rank(rank: int, world_size: int, config: Mapping, steps: int = 2, gl
     """For zeroedu.launch: train `steps` steps of the course's TinyGPT under the profiler; return this rank's
     exported trace and the ledger entries of the profiled steps (as dicts)."""
     import zeroedu
-    from zeroedu.course.basics import _model, one_step
+    from zeroedu.course.basics import build_model, one_step
 
-    engine, *_ = zeroedu.initialize(model=_model(model_cfg), config=dict(config))
+    engine, *_ = zeroedu.initialize(model=build_model(model_cfg), config=dict(config))
     instrument(engine)
     first = len(engine.ledger)
     with profiler() as prof:

@@ -15,9 +15,10 @@ Why it is built this way:
 - The ranks rendezvous through a FileStore in the run's folder, which only this user can open (0700): on a shared
   machine no other local user can join or write to it, as they could to a TCP store on loopback. Gloo's own
   connections are pinned to the loopback interface.
-- Each rank writes what it is doing into a small shared-memory slot (`report_status`, called by the comm layer
-  around every collective). The parent watches the slots and turns mismatched collectives and hangs into errors
-  that name the ranks, with every rank's Python stack (faulthandler), instead of a notebook cell that never ends.
+- Each rank writes what it is doing into a small shared-memory slot (`report_status`; the rank's context
+  observes every collective of the comm layer through zeroedu.comm.observe). The parent watches the slots and
+  turns mismatched collectives and hangs into errors that name the ranks, with every rank's Python stack
+  (faulthandler), instead of a notebook cell that never ends.
 
 The parts: the rank process, and how it is started, in zeroedu.launch_rank; the status slots and the per-group
 collective counter in zeroedu.launch_status; what the parent makes of them (mismatches, hangs, dead ranks) in
@@ -46,30 +47,37 @@ import torch.distributed as dist
 
 from zeroedu._aliases import callable_module
 from zeroedu.launch.diagnose import (
-    _collect_stacks,
-    _describe,
-    _died_message,
-    _find_mismatch,
-    _hang_message,
-    _holdouts,
-    _mismatch_message,
-    _not_joined_message,
-    _raised_message,
-    _sequence_note,
-    _stuck_message,
-    _timeout_message,
-    _View,
-    _where_text,
+    View,
+    collect_stacks,
+    describe_rank,
+    died_message,
+    find_mismatch,
+    hang_message,
+    holdouts,
+    mismatch_message,
+    not_joined_message,
+    raised_message,
+    sequence_note,
+    stuck_message,
+    timeout_message,
+    where_text,
 )
-from zeroedu.launch.rank import KILL_GRACE, _dumps, _loopback_interface, _main_without_a_file, _mp_context, _rank_main
+from zeroedu.launch.rank import (
+    KILL_GRACE,
+    dumps_by_value,
+    loopback_interface,
+    main_without_a_file,
+    mp_context,
+    rank_main,
+)
 from zeroedu.launch.rundir import (
-    _RUN_DIR_PREFIX,
-    _note_forkserver_dir,
-    _process_identity,
-    _remove_stale_forkserver_dirs,
-    _remove_stale_run_dirs,
+    RUN_DIR_PREFIX,
+    note_forkserver_dir,
+    process_identity,
+    remove_stale_forkserver_dirs,
+    remove_stale_run_dirs,
 )
-from zeroedu.launch.status import _Slots, in_launched_rank, rank_context, report_status
+from zeroedu.launch.status import Slots, in_launched_rank, rank_context, report_status
 from zeroedu.launch.status import next_collective as next_collective  # zeroedu.comm imports it from here
 from zeroedu.sysinfo import available_memory
 
@@ -231,25 +239,25 @@ class _Run:
         self.conns: list[Connection] = []
 
     def run(self) -> list:
-        _remove_stale_run_dirs()
-        _remove_stale_forkserver_dirs()
-        _note_forkserver_dir()
+        remove_stale_run_dirs()
+        remove_stale_forkserver_dirs()
+        note_forkserver_dir()
         with _StopSignals():
             return self._run()
 
     def _run(self) -> list:
-        self.dir = tempfile.mkdtemp(prefix=_RUN_DIR_PREFIX)
+        self.dir = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         slots = None
         try:
             with open(os.path.join(self.dir, "owner"), "w") as f:   # for the next launch, should this one be killed
-                f.write(_process_identity(os.getpid()))
+                f.write(process_identity(os.getpid()))
             # The ranks meet through a FileStore in self.dir (0700: launch_rank.rendezvous_store), not a TCP store
             # that any local user could write to. The port, bound and held here but not listening, is only what
             # MASTER_PORT says in the ranks, for code that reads it.
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-            self.slots = slots = _Slots(os.path.join(self.dir, "status"), self.world_size, create=True)
+            self.slots = slots = Slots(os.path.join(self.dir, "status"), self.world_size, create=True)
             self._start(port)
             return self._monitor()
         except (KeyboardInterrupt, _Stopped):
@@ -266,19 +274,19 @@ class _Run:
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def _start(self, port: int) -> None:
-        ctx = _mp_context()
+        ctx = mp_context()
         start_timeout = min(START_TIMEOUT, self.timeout or START_TIMEOUT)
         # torch's own limit on one collective stays above both of ours, so that ours are the ones that speak
         pg_timeout = max([PG_TIMEOUT, *(t + START_TIMEOUT for t in (self.timeout, self.hang_timeout) if t)])
         env, path, cwd = dict(os.environ), list(sys.path), os.getcwd()
         self.t0 = time.time()
-        with _main_without_a_file():
+        with main_without_a_file():
             self._start_ranks(ctx, port, env, path, cwd, pg_timeout, start_timeout)
 
     def _start_ranks(self, ctx, port, env, path, cwd, pg_timeout, start_timeout) -> None:
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=_rank_main, name=f"zeroedu-rank{rank}", args=(
+            p = ctx.Process(target=rank_main, name=f"zeroedu-rank{rank}", args=(
                 rank, self.world_size, port, self.backend, child_end, self.dir, self.payload, env, path, cwd,
                 pg_timeout, start_timeout))
             try:
@@ -303,8 +311,8 @@ class _Run:
                 p.kill()
             p.join(5)
 
-    def _views(self, results: dict) -> list[_View]:
-        return [_View(r, self.slots.read(r), r in results, self.procs[r].exitcode, self.procs[r].pid)
+    def _views(self, results: dict) -> list[View]:
+        return [View(r, self.slots.read(r), r in results, self.procs[r].exitcode, self.procs[r].pid)
                 for r in range(self.world_size)]
 
     def _monitor(self) -> list:
@@ -357,16 +365,16 @@ class _Run:
 
     # -- failures (the texts: zeroedu.launch_diagnose) --
     def _rank_error(self, rank: int, exc_type: str, exc_msg: str, tb: str) -> RankError:
-        msg, tb = _raised_message(self.dir, self.world_size, rank, exc_type, exc_msg, tb)
+        msg, tb = raised_message(self.dir, self.world_size, rank, exc_type, exc_msg, tb)
         if exc_type != "CollectiveDriftError":   # that one names the ranks already
-            msg += _sequence_note(self._views({}), msg)
+            msg += sequence_note(self._views({}), msg)
         return RankError(msg, rank, tb)
 
     def _died_error(self, rank: int) -> RankError:
         code = self.procs[rank].exitcode
         state = self.slots.read(rank)
-        msg = _died_message(self.dir, self.world_size, rank, code, self.procs[rank].pid, state)
-        msg += _sequence_note(self._views({}), msg)
+        msg = died_message(self.dir, self.world_size, rank, code, self.procs[rank].pid, state)
+        msg += sequence_note(self._views({}), msg)
         return RankError(msg, rank, "", code)
 
     def _check(self, results: dict) -> None:
@@ -374,34 +382,34 @@ class _Run:
         views = self._views(results)
         not_joined = [v.rank for v in views if v.state is None or v.state["s"] in ("starting", "joining")]
         if not_joined and now - self.t0 > min(START_TIMEOUT, self.timeout or START_TIMEOUT):
-            raise LaunchError(_not_joined_message(self.dir, views, not_joined, now, self.t0))
-        why = _find_mismatch(views, now)
+            raise LaunchError(not_joined_message(self.dir, views, not_joined, now, self.t0))
+        why = find_mismatch(views, now)
         if why:
-            statuses = {v.rank: _describe(v, now) for v in views}
-            raise CollectiveMismatchError(_mismatch_message(why, statuses), statuses)
+            statuses = {v.rank: describe_rank(v, now) for v in views}
+            raise CollectiveMismatchError(mismatch_message(why, statuses), statuses)
         stuck = [v for v in views if v.waiting and self.hang_timeout is not None and v.waited(now) > self.hang_timeout]
         if stuck:
             v = max(stuck, key=lambda v: v.waited(now))
-            raise self._hang_error(views, _stuck_message(v, now, self.hang_timeout))
+            raise self._hang_error(views, stuck_message(v, now, self.hang_timeout))
         if self.timeout is not None and now - self.t0 > self.timeout:
             raise self._timeout_error(views, now)
 
-    def _where(self, views: list[_View], now: float) -> tuple[dict[int, str], dict[int, str], str]:
+    def _where(self, views: list[View], now: float) -> tuple[dict[int, str], dict[int, str], str]:
         """Every rank's status and Python stack, and both as the text that errors show."""
-        statuses = {v.rank: _describe(v, now) for v in views}
-        stacks = _collect_stacks(self.dir, self.procs, self.world_size)
-        return statuses, stacks, _where_text(statuses, stacks)
+        statuses = {v.rank: describe_rank(v, now) for v in views}
+        stacks = collect_stacks(self.dir, self.procs, self.world_size)
+        return statuses, stacks, where_text(statuses, stacks)
 
-    def _timeout_error(self, views: list[_View], now: float) -> LaunchTimeoutError:
+    def _timeout_error(self, views: list[View], now: float) -> LaunchTimeoutError:
         statuses, stacks, where = self._where(views, now)
         last = max((v.state["t"] for v in views if v.state), default=self.t0)
-        return LaunchTimeoutError(_timeout_message(self.fn_name, now, self.t0, self.timeout, last, where),
+        return LaunchTimeoutError(timeout_message(self.fn_name, now, self.t0, self.timeout, last, where),
                                   statuses, stacks)
 
-    def _hang_error(self, views: list[_View], what: str) -> RankHangError:
+    def _hang_error(self, views: list[View], what: str) -> RankHangError:
         statuses, stacks, where = self._where(views, time.time())
-        culprits = _holdouts(views)
-        return RankHangError(_hang_message(what, views, culprits, where), statuses, stacks, sorted(culprits))
+        culprits = holdouts(views)
+        return RankHangError(hang_message(what, views, culprits, where), statuses, stacks, sorted(culprits))
 
     def _say_where_on_interrupt(self) -> None:
         """Ctrl-C (or SIGTERM) during a launch: before the ranks are stopped, print where each one was, so that
@@ -448,7 +456,7 @@ def init_distributed(backend: str = "auto") -> tuple[int, int]:
     store = dist.HashStore()
     _SINGLE_STORE = store
     old = os.environ.get("GLOO_SOCKET_IFNAME")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())  # gloo's listener on loopback only
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())  # gloo's listener on loopback only
     try:
         if backend == "nccl":
             torch.cuda.set_device(0)
@@ -507,7 +515,7 @@ def launch(fn: Callable, world_size: int = 4, args: Sequence = (), kwargs: dict 
         if value is not None and not value > 0:
             raise ValueError(f"{name} must be a number of seconds > 0, or None for no limit; got {value!r}")
     try:
-        payload = _dumps((fn, tuple(args), kwargs))
+        payload = dumps_by_value((fn, tuple(args), kwargs))
     except Exception as e:
         raise LaunchError(f"could not send fn and its arguments to the ranks: cloudpickle failed with "
                           f"{type(e).__name__}: {e}. Pass picklable data (numbers, tensors, config dicts, file "

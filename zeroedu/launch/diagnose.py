@@ -1,8 +1,8 @@
 """What the parent makes of the ranks: collective mismatches, hangs and dead ranks, in messages that name them.
 
-The parent (zeroedu.launch) reads every rank's status slot (zeroedu.launch_status) into a `_View`. From the views
-this module tells a rank that is merely behind from one in a different collective (`_find_mismatch`), names the
-ranks that keep a hung one waiting (`_holdouts`), and writes the text of every error launch() raises: each rank's
+The parent (zeroedu.launch) reads every rank's status slot (zeroedu.launch_status) into a `View`. From the views
+this module tells a rank that is merely behind from one in a different collective (`find_mismatch`), names the
+ranks that keep a hung one waiting (`holdouts`), and writes the text of every error launch() raises: each rank's
 status, its Python stack (faulthandler, asked for with SIGUSR1), the tail of its stderr, and why a process died
 (a signal, the kernel's out-of-memory killer).
 """
@@ -17,7 +17,7 @@ import sys
 import time
 from collections import Counter
 
-from zeroedu.launch.status import _RAW
+from zeroedu.launch.status import RAW
 
 MISMATCH_SECONDS = 1.0      # two ranks stuck in different collectives this long: a mismatch, not a lag
 STACK_WAIT = 0.5            # seconds to wait for faulthandler stack dumps
@@ -27,7 +27,7 @@ _P2P_OPS = {"send", "recv", "isend", "irecv"}  # point-to-point: ranks legitimat
 
 # -- what the parent reads from the slots --------------------------------------------------------------------
 
-class _View:
+class View:
     """One rank as the parent sees it: its slot and whether its process is alive or returned."""
 
     def __init__(self, rank: int, state: dict | None, returned: bool, exitcode: int | None,
@@ -69,7 +69,7 @@ _RAW_AS = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gat
 def _same(sig_a: str, sig_b: str) -> bool:
     """Same collective: op, dtype and numel agree (the phase is only a label). A raw torch.distributed call
     against one of zeroedu's comm layer is compared by op alone: the two describe sizes differently."""
-    if sig_a.startswith(_RAW + ".") != sig_b.startswith(_RAW + "."):
+    if sig_a.startswith(RAW + ".") != sig_b.startswith(RAW + "."):
         return _RAW_AS.get(_op(sig_a), _op(sig_a)) == _RAW_AS.get(_op(sig_b), _op(sig_b))
     return sig_a.rsplit(" (", 1)[0] == sig_b.rsplit(" (", 1)[0]
 
@@ -78,7 +78,7 @@ def _op(sig: str) -> str:
     return sig.split(" ", 1)[0].rsplit(".", 1)[-1]
 
 
-def _members(key: str, views: list[_View]) -> list[int]:
+def _members(key: str, views: list[View]) -> list[int]:
     """Global ranks of a group: from its key "0,1,2,3" (point-to-point: "0,1 (p2p)"),
     else every rank that ever used that key."""
     try:
@@ -87,14 +87,14 @@ def _members(key: str, views: list[_View]) -> list[int]:
         return [v.rank for v in views if v.history(key) or (v.waiting and v.waiting[0] == key)]
 
 
-def _describe(v: _View, now: float) -> str:
+def describe_rank(v: View, now: float) -> str:
     if v.stopped:   # what its slot says it was doing is true, but it is not doing it: it runs nothing at all
         return ("stopped (SIGSTOP, Ctrl-Z or a debugger: process state T), so it runs nothing, not even its "
                 "collectives, until it gets SIGCONT; when it stopped it was " + _describe_slot(v, now))
     return _describe_slot(v, now)
 
 
-def _describe_slot(v: _View, now: float) -> str:
+def _describe_slot(v: View, now: float) -> str:
     if v.state is None:
         text = "not started (its process has not reached zeroedu's rank entry point)"
     elif v.waiting:
@@ -121,7 +121,7 @@ def _describe_slot(v: _View, now: float) -> str:
     return text
 
 
-def _find_mismatch(views: list[_View], now: float) -> str | None:
+def find_mismatch(views: list[View], now: float) -> str | None:
     """Return why ranks can never meet, or None. Only definite cases: the seq counters let us tell a rank that
     is merely behind (it will finish the collective the others already did) from one in a different one."""
     waiters = [v for v in views if v.waiting and v.waited(now) >= MISMATCH_SECONDS]
@@ -159,7 +159,7 @@ def _find_mismatch(views: list[_View], now: float) -> str | None:
     return None
 
 
-def _holdouts(views: list[_View]) -> dict[int, str]:
+def holdouts(views: list[View]) -> dict[int, str]:
     """Ranks that keep a waiting rank waiting: members of its group that are not in the same collective."""
     culprits: dict[int, str] = {}
     for a in views:
@@ -210,13 +210,13 @@ def _with_source(text: str) -> str:
 
 def _trim_stack(text: str) -> str:
     """A faulthandler dump without launch's own machinery: drop the thread that watches the parent, and the
-    multiprocessing bootstrap frames below _rank_main (faulthandler prints the most recent call first)."""
+    multiprocessing bootstrap frames below rank_main (faulthandler prints the most recent call first)."""
     blocks = []
     for block in text.strip().split("\n\n"):
         if "in _watch_parent" in block or "in _wait_for_stop_signal" in block:
             continue
         lines = block.splitlines()
-        cut = next((i for i, line in enumerate(lines) if line.endswith(" in _rank_main")), None)
+        cut = next((i for i, line in enumerate(lines) if line.endswith(" in rank_main")), None)
         blocks.append("\n".join(lines if cut is None else lines[:cut + 1]))
     return "\n\n".join(blocks)
 
@@ -298,7 +298,7 @@ def _stderr_tail(run_dir: str, rank: int) -> str:
     return f"\n\nLast lines of rank {rank}'s stderr:\n{_indent(tail)}" if tail.strip() else ""
 
 
-def _raised_message(run_dir: str, world_size: int, rank: int, exc_type: str, exc_msg: str,
+def raised_message(run_dir: str, world_size: int, rank: int, exc_type: str, exc_msg: str,
                     tb: str) -> tuple[str, str]:
     """A rank raised: the message, and the rank's traceback with source lines added."""
     tb = _with_source(tb)
@@ -308,7 +308,7 @@ def _raised_message(run_dir: str, world_size: int, rank: int, exc_type: str, exc
     return msg, tb
 
 
-def _died_message(run_dir: str, world_size: int, rank: int, code: int, pid: int | None, state: dict | None) -> str:
+def died_message(run_dir: str, world_size: int, rank: int, code: int, pid: int | None, state: dict | None) -> str:
     """A rank's process ended without raising (exit code `code`); `state` is its last status slot."""
     hint = ""
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
@@ -323,15 +323,15 @@ def _died_message(run_dir: str, world_size: int, rank: int, code: int, pid: int 
             f"{hint}{_stderr_tail(run_dir, rank)}\n\nThe other ranks were stopped.")
 
 
-def _not_joined_message(run_dir: str, views: list[_View], not_joined: list[int], now: float, t0: float) -> str:
-    lines = "\n".join(f"  rank {v.rank}: {_describe(v, now)}" for v in views)
+def not_joined_message(run_dir: str, views: list[View], not_joined: list[int], now: float, t0: float) -> str:
+    lines = "\n".join(f"  rank {v.rank}: {describe_rank(v, now)}" for v in views)
     tails = "".join(_stderr_tail(run_dir, r) for r in not_joined)
     return (f"rank(s) {', '.join(map(str, not_joined))} did not start and join the process group within "
             f"{now - t0:.1f} s:\n{lines}{tails}\n\nThe machine may be overloaded (too many ranks for its "
             f"cores or memory): try a smaller world_size.")
 
 
-def _mismatch_message(why: str, statuses: dict[int, str]) -> str:
+def mismatch_message(why: str, statuses: dict[int, str]) -> str:
     lines = "\n".join(f"  rank {r}: {s}" for r, s in statuses.items())
     return (f"collective mismatch: {why}. This would deadlock.\nStatus of every rank:\n{lines}\n\n"
             "Every rank of a group must call the same collectives in the same order with the same dtype and "
@@ -339,13 +339,13 @@ def _mismatch_message(why: str, statuses: dict[int, str]) -> str:
             "times on different ranks.")
 
 
-def _stuck_message(v: _View, now: float, hang_timeout: float) -> str:
+def stuck_message(v: View, now: float, hang_timeout: float) -> str:
     """What a rank stuck in a collective longer than hang_timeout waited in, and for how long."""
     return (f"rank {v.rank} waited in {v.waiting[2]} (#{v.waiting[1]} of group {v.waiting[0]}) for "
             f"{v.waited(now):.1f} s > hang_timeout={hang_timeout} s")
 
 
-def _where_text(statuses: dict[int, str], stacks: dict[int, str]) -> str:
+def where_text(statuses: dict[int, str], stacks: dict[int, str]) -> str:
     """Every rank's status and Python stack, as the text that errors show."""
     lines = "\n".join(f"  rank {r}: {s}" for r, s in statuses.items())
     dumps = "\n".join(f"--- rank {r} ---\n{_indent(s or '(no stack: the process did not answer)')}"
@@ -354,7 +354,7 @@ def _where_text(statuses: dict[int, str], stacks: dict[int, str]) -> str:
             f"most recent call first):\n{dumps}")
 
 
-def _timeout_message(fn_name: str, now: float, t0: float, timeout: float, last: float, where: str) -> str:
+def timeout_message(fn_name: str, now: float, t0: float, timeout: float, last: float, where: str) -> str:
     """launch() ran past `timeout`; `last` is when any rank's status last changed."""
     return (f"launch({fn_name}) stopped at its time limit: it ran {now - t0:.1f} s > timeout="
             f"{timeout} s, the limit this call passed, so the ranks were stopped. That is a limit, not a "
@@ -363,7 +363,7 @@ def _timeout_message(fn_name: str, now: float, t0: float, timeout: float, last: 
             "for no limit.")
 
 
-def _hang_message(what: str, views: list[_View], culprits: dict[int, str], where: str) -> str:
+def hang_message(what: str, views: list[View], culprits: dict[int, str], where: str) -> str:
     if culprits:
         blame = "Likely culprit: " + "; ".join(f"rank {r} ({why})" for r, why in sorted(culprits.items()))
     elif any(v.waiting for v in views):
@@ -374,7 +374,7 @@ def _hang_message(what: str, views: list[_View], culprits: dict[int, str], where
     return f"ranks hung: {what}.\n{blame}\n\n{where}\n\n{fix}"
 
 
-def _collect_stacks(run_dir: str, procs: list, world_size: int) -> dict[int, str]:
+def collect_stacks(run_dir: str, procs: list, world_size: int) -> dict[int, str]:
     """Ask every live rank for its Python stack (faulthandler prints it on SIGUSR1) and read the files."""
     paths = {r: os.path.join(run_dir, f"rank{r}.stack") for r in range(world_size)}
     alive = [r for r, p in enumerate(procs) if p.is_alive()]
@@ -402,7 +402,7 @@ def _collect_stacks(run_dir: str, procs: list, world_size: int) -> dict[int, str
     return {r: _with_source(_trim_stack(_tail(paths[r], 400))) for r in range(world_size)}
 
 
-def _sequence_note(views: list[_View], failure: str) -> str:
+def sequence_note(views: list[View], failure: str) -> str:
     """When a rank died or raised: every rank's newest collectives and call line (zeroedu.comm.agreement's record in
     its slot), naming the rank(s) whose sequence differs from the others'. gloo kills whichever rank first sees
     the mismatched message, which is as often the rank that did nothing wrong."""

@@ -1,11 +1,11 @@
 """The rank side of launch(): what runs in each rank process, from the forkserver's fork to os._exit.
 
-`_rank_main` is the target launch() gives multiprocessing (by reference: this module must stay importable as
+`rank_main` is the target launch() gives multiprocessing (by reference: this module must stay importable as
 zeroedu.launch_rank). It makes the process a rank (dies with the parent, stop signals run the exit handlers,
 stdout and stderr into the run's folder, the parent's environment), joins the process group over the parent's
 store, runs fn, and sends the result or the error back over its pipe. fn and its result travel by value
-(cloudpickle, `_dumps`), so a function defined in a notebook cell or in `__main__` works. How a rank process
-is started (forkserver, `_mp_context`) is here too; the parent that starts it is zeroedu.launch.
+(cloudpickle, `dumps_by_value`), so a function defined in a notebook cell or in `__main__` works. How a rank process
+is started (forkserver, `mp_context`) is here too; the parent that starts it is zeroedu.launch.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from zeroedu.launch.status import _RankContext, _Slots, _watch_torch_distributed, start_reporting
+from zeroedu.launch.status import RankContext, Slots, start_reporting, watch_torch_distributed
 
 KILL_GRACE = 3.0            # seconds between SIGTERM and SIGKILL when stopping ranks (their exit handlers run)
 # forkserver where the platform has it (Linux, macOS); ZEROEDU_START_METHOD=spawn to compare.
@@ -45,7 +45,7 @@ FORKSERVER_PRELOAD = ["torch", "torch._dynamo"]
 
 # -- starting a rank process ---------------------------------------------------------------------------------
 
-def _mp_context() -> mp.context.BaseContext:
+def mp_context() -> mp.context.BaseContext:
     """The multiprocessing context that starts the ranks (START_METHOD)."""
     ctx = mp.get_context(START_METHOD)
     if START_METHOD == "forkserver":
@@ -53,7 +53,7 @@ def _mp_context() -> mp.context.BaseContext:
     return ctx
 
 
-class _main_without_a_file:
+class main_without_a_file:
     """multiprocessing re-runs the parent's __main__ file in every child. `python - <<EOF` (and an interactive
     session) has a __main__ whose file, "<stdin>", does not exist, and every rank died trying to read it. fn
     and its arguments travel by value (cloudpickle), so a rank needs nothing from such a __main__: hide its
@@ -91,7 +91,7 @@ class _Pickler(cloudpickle.Pickler):
         dispatch_table = ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)
 
 
-def _dumps(obj: Any) -> bytes:
+def dumps_by_value(obj: Any) -> bytes:
     buf = io.BytesIO()
     _Pickler(buf, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
     return buf.getvalue()
@@ -147,7 +147,7 @@ def _exit_cleanly_on_stop_signals() -> None:
     threading.Thread(target=_wait_for_stop_signal, name="zeroedu-stop-signals", daemon=True).start()
 
 
-def _rank_main(rank: int, world_size: int, port: int, backend: str, conn: Connection, run_dir: str,
+def rank_main(rank: int, world_size: int, port: int, backend: str, conn: Connection, run_dir: str,
                payload: bytes, env: dict[str, str], sys_path: list[str], cwd: str, pg_timeout: float | None,
                start_timeout: float) -> None:
     ctx, release = _become_rank(rank, world_size, port, conn, run_dir, env, sys_path, cwd)
@@ -163,7 +163,7 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, conn: Connec
         ctx.set("running")
         result = fn(rank, world_size, *args, **kwargs)
         try:
-            data = _dumps(result)
+            data = dumps_by_value(result)
         except Exception as e:
             raise TypeError(f"the return value of fn ({type(result).__name__}) cannot be pickled to send it back "
                             f"to the parent: {e}. Return plain data: numbers, lists, dicts, CPU tensors.") from e
@@ -189,7 +189,7 @@ def rendezvous_store(run_dir: str, world_size: int, timeout: float) -> dist.File
 
 
 def _become_rank(rank: int, world_size: int, port: int, conn: Connection, run_dir: str, env: dict[str, str],
-                 sys_path: list[str], cwd: str) -> tuple[_RankContext, threading.Event]:
+                 sys_path: list[str], cwd: str) -> tuple[RankContext, threading.Event]:
     """Make this freshly forked process rank `rank`: its status says "starting". Returns its status context and
     the event that the parent's "release" sets (every rank returned)."""
     _die_with_parent()
@@ -198,9 +198,9 @@ def _become_rank(rank: int, world_size: int, port: int, conn: Connection, run_di
     _adopt_parent_environment(rank, world_size, port, env, sys_path, cwd)
     release = threading.Event()
     threading.Thread(target=_watch_parent, args=(conn, release), name="zeroedu-parent-watch", daemon=True).start()
-    ctx = start_reporting(rank, _Slots(os.path.join(run_dir, "status"), world_size, create=False))
+    ctx = start_reporting(rank, Slots(os.path.join(run_dir, "status"), world_size, create=False))
     ctx.set("starting")
-    _watch_torch_distributed()   # before fn arrives: fn may hold torch.distributed's functions themselves
+    watch_torch_distributed()   # before fn arrives: fn may hold torch.distributed's functions themselves
     return ctx, release
 
 
@@ -231,8 +231,8 @@ def _adopt_parent_environment(rank: int, world_size: int, port: int, env: dict[s
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())  # gloo listens on loopback only
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", _loopback_interface())
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())  # gloo listens on loopback only
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
     sys.path[:] = sys_path
     try:
         os.chdir(cwd)
@@ -240,7 +240,7 @@ def _adopt_parent_environment(rank: int, world_size: int, port: int, env: dict[s
         pass
 
 
-def _loopback_interface() -> str:
+def loopback_interface() -> str:
     """The loopback interface's name ("lo" on Linux, "lo0" on macOS), for gloo and NCCL to listen on."""
     names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
     return next((n for n in names if n.startswith("lo")), "lo")
@@ -249,7 +249,7 @@ def _loopback_interface() -> str:
 def _send_error_and_exit(conn: Connection, e: BaseException) -> NoReturn:
     """Tell the parent what fn (or joining the group) raised, with a traceback that starts in fn, and exit."""
     tb = e.__traceback__
-    if tb is not None and tb.tb_frame.f_code is _rank_main.__code__ and tb.tb_next is not None:
+    if tb is not None and tb.tb_frame.f_code is rank_main.__code__ and tb.tb_next is not None:
         tb = tb.tb_next  # the traceback starts in fn, not in this wrapper
     text = "".join(traceback.format_exception(type(e), e, tb))
     _run_exit_handlers()   # before the parent stops every rank on hearing of the error

@@ -15,10 +15,10 @@ import shutil
 import sys
 import tempfile
 
-_RUN_DIR_PREFIX = "zeroedu-launch-"
+RUN_DIR_PREFIX = "zeroedu-launch-"
 
 
-def _process_identity(pid: int) -> str:
+def process_identity(pid: int) -> str:
     """"PID START": START is when the process started (Linux: clock ticks after boot, /proc/PID/stat), so that
     a new process that got the same pid is not taken for the old one. Empty if the process is gone."""
     try:
@@ -35,13 +35,13 @@ def _process_identity(pid: int) -> str:
     return f"{pid} ?"
 
 
-def _remove_stale_run_dirs() -> list[str]:
+def remove_stale_run_dirs() -> list[str]:
     """Delete the folders of launches whose process is gone (killed by SIGKILL, which no cleanup survives), and
     say so on stderr. A folder without an owner file (being created, or from an older zeroedu) is left alone."""
     root = tempfile.gettempdir()
     removed = []
     try:
-        names = [n for n in os.listdir(root) if n.startswith(_RUN_DIR_PREFIX)]
+        names = [n for n in os.listdir(root) if n.startswith(RUN_DIR_PREFIX)]
     except OSError:
         return removed
     for name in names:
@@ -52,7 +52,7 @@ def _remove_stale_run_dirs() -> list[str]:
             pid = int(owner.split()[0])
         except (OSError, ValueError, IndexError):
             continue
-        now = _process_identity(pid)
+        now = process_identity(pid)
         if now and (now == owner or now.endswith(" ?") or owner.endswith(" ?")):
             continue                        # its launch is still running
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files
@@ -68,14 +68,14 @@ def _remove_stale_run_dirs() -> list[str]:
 _PYMP_MARK = "zeroedu-pymp-"   # + pid: "PID START\n/tmp/pymp-xxxx", the multiprocessing folder of a launching process
 
 
-def _note_forkserver_dir() -> None:
+def note_forkserver_dir() -> None:
     """Record this process's multiprocessing folder (the forkserver's socket lives there), so that the next
     launch can remove it if this process is killed by SIGKILL, which multiprocessing's own cleanup never sees."""
     import multiprocessing.util
 
     mark = os.path.join(tempfile.gettempdir(), f"{_PYMP_MARK}{os.getpid()}")
     folder = multiprocessing.util.get_temp_dir()
-    text = f"{_process_identity(os.getpid())}\n{folder}"
+    text = f"{process_identity(os.getpid())}\n{folder}"
     try:
         with open(mark) as f:
             if f.read() == text:
@@ -89,8 +89,8 @@ def _note_forkserver_dir() -> None:
         pass
 
 
-def _remove_stale_forkserver_dirs() -> list[str]:
-    """Delete the `pymp-*` folders that launching processes now gone recorded (_note_forkserver_dir): a killed
+def remove_stale_forkserver_dirs() -> list[str]:
+    """Delete the `pymp-*` folders that launching processes now gone recorded (note_forkserver_dir): a killed
     kernel's. Folders that zeroedu did not record are never touched."""
     root, removed = tempfile.gettempdir(), []
     try:
@@ -104,7 +104,7 @@ def _remove_stale_forkserver_dirs() -> list[str]:
             pid = int(owner.split()[0])
         except (OSError, ValueError, IndexError):
             continue
-        now = _process_identity(pid)
+        now = process_identity(pid)
         if now and (now == owner or now.endswith(" ?") or owner.endswith(" ?")):
             continue                        # still running
         if os.path.basename(folder).startswith("pymp-") and os.path.dirname(folder) == root:

@@ -30,7 +30,7 @@ _HISTORY = 3                # collectives remembered per group, to tell a laggin
 
 # -- status slots (shared memory) ---------------------------------------------------------------------------
 
-class _Slots:
+class Slots:
     """One fixed-size slot per rank in a shared file mapping. Each slot has one writer (its rank) and one
     reader (the parent); a version counter that is odd while a write is in progress lets the reader skip
     torn reads."""
@@ -65,10 +65,10 @@ class _Slots:
         self._file.close()
 
 
-class _RankContext:
+class RankContext:
     """What this rank tells the parent: its current status and the last few collectives done per group."""
 
-    def __init__(self, rank: int, slots: _Slots) -> None:
+    def __init__(self, rank: int, slots: Slots) -> None:
         self.rank = rank
         self.slots = slots
         self.lock = threading.Lock()  # the comm thread and the main thread both report
@@ -128,17 +128,20 @@ class _RankContext:
         self.slots.write(self.rank, data)
 
 
-_CONTEXT: _RankContext | None = None   # set inside a rank started by launch()
+_CONTEXT: RankContext | None = None   # set inside a rank started by launch()
 
 
-def start_reporting(rank: int, slots: _Slots) -> _RankContext:
+def start_reporting(rank: int, slots: Slots) -> RankContext:
     """Make this process launched rank `rank`, reporting into `slots`: called once, by the rank's entry point."""
+    from zeroedu import comm
+
     global _CONTEXT
-    _CONTEXT = _RankContext(rank, slots)
+    _CONTEXT = RankContext(rank, slots)
+    comm.observe(_CONTEXT)   # the comm layer reports each collective to it and takes its per-group count
     return _CONTEXT
 
 
-def rank_context() -> _RankContext | None:
+def rank_context() -> RankContext | None:
     """This rank's context inside a rank started by launch(); None elsewhere."""
     return _CONTEXT
 
@@ -182,10 +185,10 @@ _DIST_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gat
                      "scatter", "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
 _DIST_P2P = ("send", "recv", "isend", "irecv")
 _UNEVEN = {"all_to_all", "all_to_all_single"}   # ranks may pass different sizes: compare the dtype only
-_RAW = "torch.distributed"
+RAW = "torch.distributed"
 
 
-def _watch_torch_distributed() -> None:
+def watch_torch_distributed() -> None:
     """Replace torch.distributed's collectives in this rank with versions that report to the launcher."""
     from torch.distributed import distributed_c10d as c10d
 
@@ -213,7 +216,7 @@ def _watched(name: str, fn: Callable) -> Callable:
             key = _raw_key(name, bound, p2p)
         except Exception:                 # a group or peer torch will refuse: let torch say what is wrong
             return fn(*args, **kwargs)
-        sig = f"{_RAW}.{name}{_tensors_text(name, bound)} ({_call_site()})"
+        sig = f"{RAW}.{name}{_tensors_text(name, bound)} ({_call_site()})"
         seq = ctx.next_seq(key)
         ctx.report(f"waiting|{key}|{seq}|{sig}")
         try:
@@ -235,7 +238,7 @@ def _raw_key(name: str, bound: dict, p2p: bool) -> str:
         return ",".join(map(str, ranks))   # the key zeroedu's comm layer uses: one order per group
     peer = bound.get("dst") if name in ("send", "isend") else bound.get("src")
     if peer is None:
-        return f"p2p ({_RAW})"           # recv from any rank
+        return f"p2p ({RAW})"           # recv from any rank
     me = dist.get_rank()
     return f"{min(me, peer)},{max(me, peer)} (p2p)"
 
@@ -268,9 +271,9 @@ def _call_site() -> str:
 
 
 def _is_launch(module: str) -> bool:
-    """zeroedu.launch or one of its parts (zeroedu.launch_status, ...): the machinery, never what a collective
+    """zeroedu.launch or one of its parts (zeroedu.launch.status, ...): the machinery, never what a collective
     is "via"."""
-    return module == "zeroedu.launch" or module.startswith("zeroedu.launch_")
+    return module == "zeroedu.launch" or module.startswith("zeroedu.launch.")
 
 
 class _WatchedWork:
