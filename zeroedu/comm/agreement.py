@@ -24,10 +24,10 @@ from collections import Counter, deque
 import torch
 import torch.distributed as dist
 
-_PAYLOAD = 2048        # bytes each rank sends per check: a JSON summary, zero-padded
+PAYLOAD_BYTES = 2048        # bytes each rank sends per check: a JSON summary, zero-padded
 _SHOWN = 12            # signatures kept per interval, for the message (the CRC covers all of them)
 _RECENT = 4            # the newest signatures, shown by the launcher when gloo aborts on a mismatch
-_IN_FLIGHT = 2         # checks started and not yet read; at this many, the next step waits for the oldest
+IN_FLIGHT = 2         # checks started and not yet read; at this many, the next step waits for the oldest
 
 
 class CollectiveDriftError(RuntimeError):
@@ -86,13 +86,13 @@ class Agreement:
         """Called by every rank at each optimizer step: read the previous check, start this one."""
         if self.group is None:
             return
-        self.settle(wait=len(self._pending) >= _IN_FLIGHT)
+        self.settle(wait=len(self._pending) >= IN_FLIGHT)
         self.where = where
         self.checks += 1
         summary = {"check": self.checks, "step": step, "n": self.count, "crc": self.crc,
                    "backwards": self.backwards, "unfinished": self.unfinished, "where": where, "sigs": self.shown}
-        data = json.dumps(summary, separators=(",", ":")).encode()[:_PAYLOAD]
-        mine = torch.zeros(_PAYLOAD, dtype=torch.uint8)
+        data = json.dumps(summary, separators=(",", ":")).encode()[:PAYLOAD_BYTES]
+        mine = torch.zeros(PAYLOAD_BYTES, dtype=torch.uint8)
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         outs = [torch.empty_like(mine) for _ in self.ranks]
         # torch's own all_gather, not launch()'s watched one: this group is not part of the collective order the
