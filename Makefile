@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: tour test test-fast ci lint nbval nbval-matrix test-matrix exercises book zh-status clean
+.PHONY: tour test test-fast ci lint nbval nbval-matrix test-matrix exercises book slides zh-status clean
 
 $(STAMP): pyproject.toml scripts/install_torch.py
 	@if [ -z "$(PY)" ] || ! $(PY) -c '$(PY_IN_RANGE)' 2>/dev/null; then \
@@ -81,7 +81,61 @@ lint: $(STAMP)
 exercises: $(STAMP)
 	$(BIN)/zeroedu build-exercises
 
-.PHONY: tour test ci lint nbval nbval-matrix test-matrix exercises book zh-status clean
+# the course as a static web book, English and 中文, from the notebooks' saved outputs (no notebook runs); the cheat
+# sheets printed to PDF with Chromium where it is installed. Open build/book/index.html.
+book: $(STAMP)
+	$(BIN)/python -m zeroedu.course.cheatsheet --check
+	$(BIN)/python scripts/build_book.py $(if $(wildcard /usr/bin/chromium),--pdf,)
+	@echo "open build/book/index.html (English) or build/book/zh/index.html (中文)"
+
+# reveal.js decks, English and 中文: each lesson's title, saved figures and summary (no notebook runs). For a room
+# without internet pass a local reveal.js 4 copy: make slides SLIDES_ARGS="--reveal-prefix reveal.js ...".
+slides: $(STAMP)
+	$(BIN)/python scripts/build_slides.py $(SLIDES_ARGS)
+	@echo "open build/slides/en/*.slides.html (English) or build/slides/zh/*.slides.html (中文)"
+
+# which Chinese lessons are out of step with their English cells (docs/zh/style.md says how to update them)
+zh-status: $(STAMP)
+	$(BIN)/python -m zeroedu.i18n status
+
+# The range, proven on another Python with another torch (docs/instructors.md has the last run): a fresh venv with
+# MATRIX_PY and torch==MATRIX_TORCH (on Linux PyPI's wheel is a CUDA build of several GB: pip caches it, and
+# MATRIX_WHEELS is searched first), the course installed into it as a learner would (`pip install -e .` keeps that
+# torch), then the tour, the fast tests and nbval on notebooks 00-06. Too heavy for every CI run.
+MATRIX_PY ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
+MATRIX_TORCH ?= 2.14.1
+MATRIX_VENV ?= .venv-matrix
+MATRIX_WHEELS ?= $(HOME)/.cache/zeroedu-matrix/wheels
+MATRIX_NOTEBOOKS := $(wildcard notebooks/0[0-6]_*.ipynb)
+MATRIX_TESTS ?= tests
+MATRIX_BIN := $(MATRIX_VENV)/bin
+MATRIX_STAMP := $(MATRIX_VENV)/.installed-$(MATRIX_TORCH)
+
+# the venv, once per torch version (make clean removes it)
+$(MATRIX_STAMP):
+	@test -n "$(MATRIX_PY)" || { echo "test-matrix: no python3.12 found; set MATRIX_PY=/path/to/python3.x (another Python than .venv's)"; exit 1; }
+	rm -rf $(MATRIX_VENV)
+	$(MATRIX_PY) -m venv $(MATRIX_VENV)
+	$(MATRIX_BIN)/pip install --quiet --upgrade pip
+	$(MATRIX_BIN)/pip install --quiet --find-links $(MATRIX_WHEELS) torch==$(MATRIX_TORCH)
+	$(MATRIX_BIN)/pip install --quiet -e . 'pytest>=8,<10' 'pytest-timeout>=2.3,<3' 'nbval>=0.11,<1' 'ruff>=0.6'
+	# DeepSpeed builds against the torch present (no build isolation); where it cannot, its tests skip
+	-$(MATRIX_BIN)/pip install --quiet --no-build-isolation 'deepspeed==0.19.8'
+	touch $(MATRIX_STAMP)
+
+# MATRIX_TESTS: the fast tests to run (default all of tests/; a list of files for a shorter run)
+test-matrix: $(MATRIX_STAMP)
+	@echo "== matrix: $$($(MATRIX_BIN)/python --version) with torch $(MATRIX_TORCH) in $(MATRIX_VENV)"; date -u
+	$(MATRIX_BIN)/python -c 'import sys, torch; assert torch.__version__.split("+")[0] == "$(MATRIX_TORCH)", \
+	  f"pip replaced torch $(MATRIX_TORCH) by {torch.__version__}"; print("kept torch", torch.__version__, "on", sys.version.split()[0])'
+	$(MATRIX_BIN)/python -m zeroedu doctor || true
+	$(MATRIX_BIN)/python -m zeroedu tour
+	$(MATRIX_BIN)/python -m pytest -q -m "not slow" $(MATRIX_TESTS)
+	$(MATRIX_BIN)/python -m pytest -q --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(MATRIX_NOTEBOOKS)
+	@date -u; echo "== matrix passed: $$($(MATRIX_BIN)/python --version), torch $(MATRIX_TORCH)"
+	# the hosted path: a notebook's setup cell in a fresh venv that has this other torch (tests/test_setup_cell.py)
+	ZEROEDU_MATRIX=1 MATRIX_PY=$(MATRIX_PY) MATRIX_TORCH=$(MATRIX_TORCH) MATRIX_WHEELS=$(MATRIX_WHEELS) \
+	  $(BIN)/python -m pytest -q tests/test_setup_cell.py -k installs_beside_another_torch
 
 clean:
 	rm -rf $(VENV) $(MATRIX_VENV)
