@@ -81,6 +81,8 @@ def by_h2(source: str) -> list[str]:
 def read_lesson(path: Path) -> Lesson:
     """Pick the title, goal, figures and summary out of a lesson notebook's saved cells."""
     nb = nbformat.read(path, as_version=4)
+    # the hosted-setup cells at the top (badges, setup: scripts/setup_cell.py) are not part of the lesson
+    nb.cells = [c for c in nb.cells if "zeroedu-setup" not in c.metadata.get("tags", [])]
     first = next((c for c in nb.cells if c.cell_type == "markdown"), None)
     h1 = [t for lvl, t in headings(first.source) if lvl == 1] if first else []
     if not h1:

@@ -120,8 +120,10 @@ def build(english: Path, previous: nbformat.NotebookNode | None = None) -> nbfor
     old_lang = saved.get(LANG_CELL_ID)
     if old_lang is not None:
         lang.outputs, lang.execution_count = old_lang.outputs, old_lang.execution_count
-    first_md = next((i for i, c in enumerate(cells) if c.cell_type == "markdown"), -1)
-    cells.insert(first_md + 1, lang)
+    # after the lesson's title cell: below the hosted-setup cells (badges, setup), which must run before any import
+    title = next((i for i, c in enumerate(cells) if c.cell_type == "markdown"
+                  and "zeroedu-setup" not in c.metadata.get("tags", [])), -1)
+    cells.insert(title + 1, lang)
     out = nbformat.v4.new_notebook(cells=cells, metadata=copy.deepcopy(en.metadata))
     out.metadata["zeroedu"] = {"language": "zh", "english": f"../{english.name}"}
     out.nbformat, out.nbformat_minor = en.nbformat, en.nbformat_minor
