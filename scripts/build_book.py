@@ -65,8 +65,21 @@ def glossary() -> str:
     return body[: nxt.start()] if nxt else body
 
 
+def _without_setup(nb: dict) -> dict:
+    """The hosted-setup code cell (scripts/setup_cell.py) installs the course on Colab; a reader of the book has
+    nothing to install, so the book keeps the badges above it and leaves the cell out."""
+    nb["cells"] = [c for c in nb["cells"] if not (c["cell_type"] == "code"
+                                                  and "zeroedu-setup" in c.get("metadata", {}).get("tags", []))]
+    return nb
+
+
+def _copy(src: Path, dst: Path) -> None:
+    nb = _without_setup(json.loads(src.read_text(encoding="utf-8")))
+    dst.write_text(json.dumps(nb, ensure_ascii=False), encoding="utf-8")
+
+
 def _pending_copy(src: Path, dst: Path, lang: str) -> None:
-    nb = json.loads(src.read_text(encoding="utf-8"))
+    nb = _without_setup(json.loads(src.read_text(encoding="utf-8")))
     nb["cells"].insert(0, {"cell_type": "markdown", "id": "zeroedu-pending", "metadata": {},
                            "source": PENDING[lang]})
     dst.write_text(json.dumps(nb, ensure_ascii=False), encoding="utf-8")
@@ -74,7 +87,7 @@ def _pending_copy(src: Path, dst: Path, lang: str) -> None:
 
 def _unlocalize(src: Path, dst: Path) -> None:
     """A Chinese notebook staged at notebooks/NAME: its links were written for notebooks/zh/, one folder deeper."""
-    nb = json.loads(src.read_text(encoding="utf-8"))
+    nb = _without_setup(json.loads(src.read_text(encoding="utf-8")))
     for cell in nb["cells"]:
         if cell["cell_type"] == "markdown":
             text = "".join(cell["source"])
@@ -91,7 +104,7 @@ def stage(lang: str, src: Path) -> None:
     for nb in lessons:
         dst = src / "notebooks" / nb.name
         if lang == "en":
-            shutil.copy(nb, dst)
+            _copy(nb, dst)
         elif ed.zh_path(nb).exists():
             _unlocalize(ed.zh_path(nb), dst)
         else:
@@ -99,7 +112,7 @@ def stage(lang: str, src: Path) -> None:
     exercises = sorted((ROOT / "exercises").glob("ex*.ipynb"))
     for ex in exercises:
         if lang == "en":
-            shutil.copy(ex, src / "exercises" / ex.name)
+            _copy(ex, src / "exercises" / ex.name)
         else:
             _pending_copy(ex, src / "exercises" / ex.name, lang)
     (src / "glossary.md").write_text(GLOSSARY_TITLE[lang] + "\n" + glossary(), encoding="utf-8")
