@@ -95,7 +95,7 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)[^\n]*(?:\n[ \t]+(?!F
 
 def _learner_line(text: str, innermost_first: bool = False) -> str:
     """' in fn, line 7 of its cell: code' for the innermost frame outside libraries and zeroedu."""
-    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # all of zeroedu
+    own = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # all of zeroedu
     frames = [m for m in _FRAME.finditer(text)
               if "site-packages" not in m.group(1) and not m.group(1).startswith(own)
               and "/lib/python3" not in m.group(1)]
