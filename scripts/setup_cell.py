@@ -162,7 +162,14 @@ def apply(path: Path) -> bool:
     text = path.read_text(encoding="utf-8")
     nb = json.loads(text)
     rest = [c for c in nb["cells"] if TAG not in c.get("metadata", {}).get("tags", [])]
-    nb["cells"] = cells_for(path.relative_to(ROOT).as_posix()) + rest
+    old = {c.get("id"): c for c in nb["cells"] if TAG in c.get("metadata", {}).get("tags", [])}
+    fresh = cells_for(path.relative_to(ROOT).as_posix())
+    for cell in fresh:   # a run of the notebook numbered the setup cell (it prints nothing): keep that number
+        prev = old.get(cell.get("id"))
+        if cell["cell_type"] == "code" and prev is not None and "".join(prev.get("source", [])) == \
+                "".join(cell["source"]) and not prev.get("outputs"):
+            cell["execution_count"] = prev.get("execution_count")
+    nb["cells"] = fresh + rest
     if nb.get("nbformat_minor", 0) < 5:   # cell ids need nbformat 4.5
         nb["nbformat_minor"] = 5
     new = json.dumps(nb, sort_keys=True, indent=1, ensure_ascii=False) + "\n"   # as nbformat writes
