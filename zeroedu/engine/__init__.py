@@ -1,5 +1,8 @@
 """The part of a training step that every ZeRO stage shares (zeroedu.compose builds an engine: initialize()).
 
+This file is the step machinery only; what DeepSpeed's engine offers around it (getters, checkpoints, state dicts,
+no_sync, zero_grad) is the DeepSpeedFacade mixin in zeroedu/engine/facade.py, so Engine has both.
+
 A stage decides where parameters, gradients and optimizer state live and which collectives move them
 (`zeroedu/engine/stages/`). Everything else is here, once: precision, the loss scale, gradient accumulation,
 clipping by the global norm, the optimizer step on fp32 master weights, the ledger and the memory meter.
@@ -25,7 +28,7 @@ from zeroedu.comm.agreement import caller_line
 from zeroedu.comm.worker import worker
 from zeroedu.config import Config
 from zeroedu.engine.facade import DeepSpeedFacade, half_inputs
-from zeroedu.engine.report import TIMELINE_KEEP, StepReport, Timeline, comms_summary
+from zeroedu.engine.report import TIMELINE_KEEP, StepReport, Timeline
 from zeroedu.memory import MODEL_STATES, PeakTracker, SavedActivations, resident
 from zeroedu.precision import LossScaler, compute_dtype
 
@@ -87,6 +90,7 @@ class Engine(DeepSpeedFacade):
     # An extra that keeps the parameters in more places than the shard and the master pieces (offload's host and
     # NVMe tiers, ZeRO++'s secondary partition) sets this; zero.GatheredParameters(modifier_rank=...) refuses it.
     keeps_parameter_copies = False
+    _decay_runs: list[list[tuple[int, int, float]]] | None = None   # group_decay's layout, made at the first step
 
     def __init__(self, model: torch.nn.Module, config: Config, comm: Comm | None = None) -> None:
         self.module = model
@@ -399,6 +403,47 @@ class Engine(DeepSpeedFacade):
             for i in group:
                 self.master_pieces[i].grad = None
 
+    def group_decay(self, pieces: list[int]) -> None:
+        """Weight decay per parameter on master pieces `pieces`, just before the optimizer (built with weight
+        decay 0) steps them; Engine.optimizer_step calls it. Groups that differ in weight_decay tag each parameter
+        with its own (zeroedu.client); without tags this does nothing. AdamW decays decoupled, as torch's AdamW
+        does first in its step (weight x (1 - lr x wd)); Adam and SGD add wd x weight to the gradient (L2), as
+        theirs do. Each parameter's run of a piece gets its own group's factor, so this is the same arithmetic."""
+        if self._decay_runs is None:
+            self._decay_runs = self._decay_layout()
+        if not self._decay_runs:
+            return
+        decoupled = self.config.optimizer.type == "AdamW"
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        for i in pieces:
+            piece = self.master_pieces[i]
+            for s, e, wd in self._decay_runs[i]:
+                if wd == 0.0:
+                    continue
+                if decoupled:
+                    piece.data[s:e].mul_(1 - lr * wd)
+                elif piece.grad is not None:
+                    piece.grad[s:e].add_(piece.data[s:e], alpha=wd)
+
+    def _decay_layout(self) -> list[list[tuple[int, int, float]]]:
+        """For each master piece, (start, end, weight decay) of each tagged parameter's part of it; [] if no
+        parameter is tagged."""
+        from zeroedu.client import DECAY_ATTR
+
+        if not any(hasattr(p, DECAY_ATTR) for p in self.layout.params):
+            return []
+        runs = []
+        for b, m in zip(self.layout.buckets, self.master_pieces, strict=True):
+            lo = 0 if m.numel() == b.padded else self.rank * b.piece
+            hi = lo + m.numel()
+            mine = []
+            for p, off, shape in zip(b.params, b.offsets, b.shapes, strict=True):
+                s, e = max(lo, off), min(hi, off + shape.numel())
+                if s < e:
+                    mine.append((s - lo, e - lo, float(getattr(p, DECAY_ATTR, 0.0))))
+            runs.append(mine)
+        return runs
+
     def sub_groups(self) -> list[list[int]]:
         """Indices of the master pieces, greedily grouped into runs of at most sub_group_size elements."""
         limit = self.config.zero_optimization.sub_group_size
@@ -420,24 +465,6 @@ class Engine(DeepSpeedFacade):
         self.step()
         return float(loss)
 
-    # -- what DeepSpeed's engine reports ------------------------------------------------------------------
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def get_lr(self) -> list[float]:
-        """The learning rate of each parameter group, as deepspeed's engine.get_lr()."""
-        return [float(g["lr"]) for g in self.optimizer.param_groups]
-
-    def get_mom(self) -> list:
-        """beta1 (Adam: the betas pair) or momentum (SGD) of each group, as deepspeed's engine.get_mom()."""
-        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
-
     def log(self, text: str) -> None:
         """Print on rank 0 (DeepSpeed's log_dist(ranks=[0])); every rank keeps the line in log_lines."""
         self.log_lines.append(text)       # a long run that prints every step keeps a bounded window
@@ -447,12 +474,6 @@ class Engine(DeepSpeedFacade):
     def report_step(self) -> None:
         """After an optimizer step: what the logging keys ask for (zeroedu.report.StepReport formats it)."""
         self.step_report.after_step(self)
-
-    def log_summary(self) -> str:
-        """The ledger's per-collective summary (what deepspeed.comm.log_summary() prints with comms_logger)."""
-        text = comms_summary(self.ledger)
-        self.log(text)
-        return text
 
     # -- overlap: the worker's lanes, and the one set of everything in flight ---------------------------------
     def submit(self, fn: Callable[[], None], lane: str = "comm") -> Handle:
@@ -555,38 +576,3 @@ class Engine(DeepSpeedFacade):
         full = self.master_full()
         return {self.names[p]: v.to("cpu", copy=True) for p, v in zip(self.layout.params,
                                                                        self.layout.param_views(full), strict=True)}
-
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, **kwargs) -> str:
-        """Sharded, atomic save (zeroedu.checkpoint.save): client_state=, save_latest=."""
-        from zeroedu import checkpoint
-
-        return checkpoint.save(self, save_dir, tag, **kwargs)
-
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs) -> tuple[str, dict]:
-        """Load from any stage and world size (zeroedu.checkpoint.load); returns (path, client_state)."""
-        from zeroedu import checkpoint
-
-        return checkpoint.load(self, load_dir, tag, **kwargs)
-
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """One consolidated state_dict in the compute dtype, written by rank 0 to save_dir/save_filename, that a
-        plain nn.Module of the same class loads (`load_state_dict(torch.load(path, weights_only=True))`).
-
-        As in DeepSpeed, at stage 3 it needs zero_optimization.stage3_gather_16bit_weights_on_model_save (the
-        parameters are gathered one unit at a time onto rank 0's host); without it nothing is written and it
-        returns False. Every rank must call it (stage 3 gathers)."""
-        import os
-
-        from zeroedu import zero
-
-        if self.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
-            self.log("zeroedu: save_16bit_model wrote nothing: at stage 3 set zero_optimization."
-                     "stage3_gather_16bit_weights_on_model_save to true to gather the weights for it.")
-            return False
-        state = zero.consolidated_16bit_state_dict(self)
-        if self.rank == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            path = os.path.join(save_dir, save_filename)
-            torch.save(state, path + ".tmp")
-            os.replace(path + ".tmp", path)   # whole or not at all
-        return True

@@ -1,5 +1,10 @@
 """What training scripts call on DeepSpeed's engine, on zeroedu's: a mixin of Engine (zeroedu.engine).
 
+The split: zeroedu/engine/__init__.py is the ZeRO step (forward, backward, step, the hooks a stage fills in, the
+overlap worker, the memory meter); this file is the DeepSpeed-compatible surface around it, which calls the step's
+hooks and public attributes and nothing else. A script written for DeepSpeed touches only this surface plus
+forward/backward/step. `from zeroedu.engine import Engine` gives both, as before the split.
+
 Each method behaves as DeepSpeedEngine's does in deepspeed 0.19.8 (deepspeed/runtime/engine.py), and
 tests/test_engine_facade.py runs the same calls on DeepSpeed itself on CPU gloo ranks and compares:
 
@@ -15,6 +20,11 @@ tests/test_engine_facade.py runs the same calls on DeepSpeed itself on CPU gloo 
 - `global_steps` (optimizer steps, skipped ones included), `global_samples`, `zero_optimization_stage()`,
   `get_global_grad_norm()` (the norm of the last step, None before it or when nothing needed it).
 - `train()` / `eval()`: the module's mode.
+- `train_batch_size()`, `train_micro_batch_size_per_gpu()`, `gradient_accumulation_steps()`, `get_lr()`,
+  `get_mom()`: the config's and the optimizer's, as DeepSpeed's getters return them.
+- `save_checkpoint()` / `load_checkpoint()` (zeroedu.checkpoint: any stage and world size),
+  `save_16bit_model()` (at stage 3 only with stage3_gather_16bit_weights_on_model_save, as DeepSpeed's), and
+  `log_summary()` (the ledger's table, where DeepSpeed prints deepspeed.comm's).
 - `no_sync()`: gradients accumulate without being reduced; DeepSpeed refuses it at stages 2-3, whose gradients
   are partitioned as they are reduced, and refuses engine.step() inside it; so does zeroedu.
 
@@ -33,6 +43,8 @@ from typing import Any
 
 import torch
 
+from zeroedu.engine.report import comms_summary
+
 
 def half_inputs(inputs: Any) -> Any:
     """fp16.auto_cast: every floating-point tensor in `inputs` (nested lists, tuples, dicts) cast to fp16, as
@@ -50,49 +62,6 @@ class DeepSpeedFacade:
     """DeepSpeedEngine's public surface beyond initialize/forward/backward/step (see the module docstring)."""
 
     inside_no_sync = False
-    _decay_runs: list[list[tuple[int, int, float]]] | None = None
-
-    # -- per-parameter weight decay (parameter groups that differ in weight_decay) ---------------------------
-    def group_decay(self, pieces: list[int]) -> None:
-        """Weight decay per parameter on master pieces `pieces`, just before the optimizer (built with weight
-        decay 0) steps them; Engine.optimizer_step calls it. Groups that differ in weight_decay tag each parameter
-        with its own (zeroedu.client); without tags this does nothing. AdamW decays decoupled, as torch's AdamW
-        does first in its step (weight x (1 - lr x wd)); Adam and SGD add wd x weight to the gradient (L2), as
-        theirs do. Each parameter's run of a piece gets its own group's factor, so this is the same arithmetic."""
-        if self._decay_runs is None:
-            self._decay_runs = self._decay_layout()
-        if not self._decay_runs:
-            return
-        decoupled = self.config.optimizer.type == "AdamW"
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        for i in pieces:
-            piece = self.master_pieces[i]
-            for s, e, wd in self._decay_runs[i]:
-                if wd == 0.0:
-                    continue
-                if decoupled:
-                    piece.data[s:e].mul_(1 - lr * wd)
-                elif piece.grad is not None:
-                    piece.grad[s:e].add_(piece.data[s:e], alpha=wd)
-
-    def _decay_layout(self) -> list[list[tuple[int, int, float]]]:
-        """For each master piece, (start, end, weight decay) of each tagged parameter's part of it; [] if no
-        parameter is tagged."""
-        from zeroedu.client import DECAY_ATTR
-
-        if not any(hasattr(p, DECAY_ATTR) for p in self.layout.params):
-            return []
-        runs = []
-        for b, m in zip(self.layout.buckets, self.master_pieces, strict=True):
-            lo = 0 if m.numel() == b.padded else self.rank * b.piece
-            hi = lo + m.numel()
-            mine = []
-            for p, off, shape in zip(b.params, b.offsets, b.shapes, strict=True):
-                s, e = max(lo, off), min(hi, off + shape.numel())
-                if s < e:
-                    mine.append((s - lo, e - lo, float(getattr(p, DECAY_ATTR, 0.0))))
-            runs.append(mine)
-        return runs
 
     # -- the model ---------------------------------------------------------------------------------------
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
@@ -191,6 +160,67 @@ class DeepSpeedFacade:
                                              not p.requires_grad for p in self.module.parameters())):
                 self.module.load_state_dict(rest, strict=False)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    # -- what DeepSpeed's engine reports ------------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each parameter group, as deepspeed's engine.get_lr()."""
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_mom(self) -> list:
+        """beta1 (Adam: the betas pair) or momentum (SGD) of each group, as deepspeed's engine.get_mom()."""
+        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
+
+    # -- the comms log ----------------------------------------------------------------------------------
+    def log_summary(self) -> str:
+        """The ledger's per-collective summary (what deepspeed.comm.log_summary() prints with comms_logger)."""
+        text = comms_summary(self.ledger)
+        self.log(text)
+        return text
+
+    # -- checkpoints (zeroedu.checkpoint does the work) ---------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, **kwargs) -> str:
+        """Sharded, atomic save (zeroedu.checkpoint.save): client_state=, save_latest=."""
+        from zeroedu import checkpoint
+
+        return checkpoint.save(self, save_dir, tag, **kwargs)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs) -> tuple[str, dict]:
+        """Load from any stage and world size (zeroedu.checkpoint.load); returns (path, client_state)."""
+        from zeroedu import checkpoint
+
+        return checkpoint.load(self, load_dir, tag, **kwargs)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """One consolidated state_dict in the compute dtype, written by rank 0 to save_dir/save_filename, that a
+        plain nn.Module of the same class loads (`load_state_dict(torch.load(path, weights_only=True))`).
+
+        As in DeepSpeed, at stage 3 it needs zero_optimization.stage3_gather_16bit_weights_on_model_save (the
+        parameters are gathered one unit at a time onto rank 0's host); without it nothing is written and it
+        returns False. Every rank must call it (stage 3 gathers)."""
+        import os
+
+        from zeroedu import zero
+
+        if self.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            self.log("zeroedu: save_16bit_model wrote nothing: at stage 3 set zero_optimization."
+                     "stage3_gather_16bit_weights_on_model_save to true to gather the weights for it.")
+            return False
+        state = zero.consolidated_16bit_state_dict(self)
+        if self.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)   # whole or not at all
+        return True
 
     # -- gradient accumulation without communication -----------------------------------------------------
     @contextmanager
