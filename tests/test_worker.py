@@ -68,3 +68,26 @@ def test_forwards_without_a_backward_keep_in_flight_bounded():
         for _ in range(200):
             engine(torch.randn(2, 4))
     assert 0 < len(engine.in_flight) <= 256
+
+
+# Where each asynchronous thing may start, in the training path (comm/, engine/, checkpoint/): threads only as the
+# worker's lanes; CUDA streams and events only in offload's side-stream file, the seam its docstring explains; a
+# torch.distributed collective with async_op=True only where it becomes a Handle (comm/collectives.py, called by
+# Comm._run) or, known and shrink-only, in the agreement check, whose few works it settles itself each step.
+ASYNC_STARTS = {
+    r"threading\.Thread\(|ThreadPoolExecutor|concurrent\.futures": {"comm/worker.py"},
+    r"torch\.cuda\.(Stream|Event)\(": {"engine/extras/offload/transfers.py"},
+    r"async_op=True|async_op=async_op": {"comm/collectives.py", "comm/agreement.py"},
+}
+
+
+def test_the_worker_and_offloads_cuda_stream_are_the_only_async_mechanisms():
+    import re
+    from pathlib import Path
+
+    root = Path(zeroedu.__file__).parent
+    files = [p for d in ("comm", "engine", "checkpoint") for p in (root / d).rglob("*.py")]
+    assert len(files) > 20, files
+    for pattern, allowed in ASYNC_STARTS.items():
+        found = {p.relative_to(root).as_posix() for p in files if re.search(pattern, p.read_text())}
+        assert found == allowed, (pattern, sorted(found))

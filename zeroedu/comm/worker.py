@@ -9,7 +9,11 @@ A lane is one thread that runs its jobs in submission order:
 
 Every job returns a Handle; so does a native torch.distributed collective started asynchronously (its `work`,
 finished at the first wait). The engine keeps every handle it started in one set, `Engine.in_flight`, that
-`Engine.wait()` drains. On a GPU, CUDA events (offload's side-stream copies) are the only other mechanism.
+`Engine.wait()` drains. On a GPU, CUDA events (offload's side-stream copies) are the only other mechanism:
+a copy there is asynchronous because of its stream, not a thread, so it cannot be a lane's job; the reasons,
+and what folding it in would take, are in zeroedu/engine/extras/offload/transfers.py. The agreement check
+(zeroedu.comm.agreement) keeps its own few torch Works and settles them each step; tests/test_worker.py
+lists every place that may start something asynchronous.
 """
 
 from __future__ import annotations

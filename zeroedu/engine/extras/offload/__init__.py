@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import os
 import queue
-import threading
 
 import torch
 import torch.distributed as dist
@@ -124,9 +123,7 @@ class OffloadMixin(ParamOffloadMixin, OptimizerOffloadMixin, TransferMixin):
         self.adam_timeline = Timeline()   # (what, start, end) of host optimizer work, bounded as engine.timeline
         self.nvme_removed: list[str] = []                          # stale swap folders this run deleted
         self.written_back = False        # has this step's update already reached the compute parameters?
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._copies: list[tuple] = []   # CUDA copies in flight: (ledger entry, start event, end event, src, dst)
-        self._lock = threading.Lock()
+        self.start_side_stream()   # CUDA: the copies' stream (transfers.py says why it is not a lane)
         self._folders: dict[str, SwapFolder] = {}
         self._io_pending: list[Handle] = []   # NVMe writes on the worker's io lane, waited for before a read
         self._staging: dict[int, torch.Tensor] = {}   # bucket -> the device piece its reduction lands in

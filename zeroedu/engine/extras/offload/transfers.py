@@ -4,10 +4,31 @@ reads and writes of swap files (op "nvme2h", "h2nvme"), all with kind "offload".
 TransferMixin holds them for OffloadMixin: `transfer` (a copy, on a CUDA side stream where there is a GPU),
 `sync_transfers`, `_file_io` and `_wait_io` (the NVMe writes queued on the worker's io lane), and `_folder`,
 which opens the swap folder of an nvme_path. LINKS and transfer_seconds turn a step's bytes into time.
+
+The seam: the CUDA side stream is the one asynchronous mechanism in the training path that is not the worker
+(zeroedu/comm/worker.py), and everything about it is in this file (`start_side_stream`, `transfer`,
+`sync_transfers`; tests/test_worker.py checks that no other file makes a CUDA stream or event). It stays a
+second mechanism on purpose:
+- A CUDA copy is asynchronous because of the stream it is queued on, not because of a thread. Put on a lane,
+  `copy_(non_blocking=True)` returns at once and the lane's Handle would say "done" before a byte has moved; the
+  copy is over only when its CUDA event is, which Event.synchronize() or a stream's wait_stream observe.
+- The copies are issued while the host optimizer steps the next sub-groups (write_back) and must be complete
+  before the stage's all-gather reads the pieces, in publish: `sync_transfers` waits there and makes the compute
+  stream wait for the side stream. Engine.wait() drains in_flight only at the end of the step, after publish, so
+  a Handle in in_flight would not remove that wait; the explicit one at publish would stay either way.
+- A lane that did the copy blocking would overlap nothing on a GPU: a blocking copy from another host thread
+  runs on the legacy default stream, which serializes with the compute kernels.
+- `transfer` is also called on the worker's comm lane (a stage-3 gather's job brings its offloaded piece to the
+  device), so its copies would join Engine.in_flight from another thread than the one that drains it.
+Each of these is a GPU behaviour that no CPU run exercises (on a CPU `_stream` is None and every copy is a
+synchronous memcpy), so changing them without a GPU to test on would be changing them blind. What unifying would
+take, on a GPU: a Handle whose `work` is the copy's end event (Handle already finishes native collectives that
+way), added to in_flight under a lock, and `sync_transfers` replaced by stream waits in the stage's gather.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -43,6 +64,14 @@ class TransferMixin:
             self._folders[oc.nvme_path] = SwapFolder(oc.nvme_path, key, self.rank, need)
             self.nvme_removed += self._folders[oc.nvme_path].removed
         return self._folders[oc.nvme_path]
+
+    # -- the CUDA side stream (the seam above) -------------------------------------------------------------------
+    def start_side_stream(self) -> None:
+        """The side stream the device<->host copies run on (None on a CPU, where they are memcpys), and the copies
+        in flight on it; called once from OffloadMixin.setup."""
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._copies: list[tuple] = []   # CUDA copies in flight: (ledger entry, start event, end event, src, dst)
+        self._lock = threading.Lock()    # transfer runs on the main thread and on the worker's comm lane
 
     # -- copies and files, each one a ledger entry ---------------------------------------------------------------
     def _record(self, op: str, t: torch.Tensor, nbytes: int, wall0: float, seconds: float, impl: str,
