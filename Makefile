@@ -1,4 +1,5 @@
 # The two commands in README.md: `make tour` and `make test`. Each builds .venv first if needed.
+# `make help` lists the targets and the test tiers.
 # Python: the first of these that is in zeroedu's range (pyproject.toml requires-python, 3.10 to 3.14); 3.11 first,
 # the tested default. `make PY=/path/to/python3.12 tour` picks one yourself.
 PY_CANDIDATES := python3.11 python3.12 python3.13 python3.10 python3.14 python3
@@ -8,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: tour test test-fast ci lint nbval nbval-matrix test-matrix exercises book slides zh-status clean
+.PHONY: help tour test test-fast ci lint nbval nbval-matrix test-matrix exercises book slides zh-status clean
 
 $(STAMP): pyproject.toml scripts/install_torch.py
 	@if [ -z "$(PY)" ] || ! $(PY) -c '$(PY_IN_RANGE)' 2>/dev/null; then \
@@ -26,6 +27,15 @@ $(STAMP): pyproject.toml scripts/install_torch.py
 	$(BIN)/python scripts/install_torch.py
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
+
+help:
+	@echo "make tour        the course's tour: every stage's bytes against theory (builds .venv first)"
+	@echo "make test-fast   the edit loop: ruff + pytest without nbval and the slow tests (under 5 min on 2 cores)"
+	@echo "make test        what CI runs: ruff + every test + nbval over every notebook, beside pytest"
+	@echo "                 (NBVAL_BESIDE=0: one after the other; NBVAL_ISAS='native default': both kernel sets)"
+	@echo "make ci          make test with nbval under each kernel set of NBVAL_MATRIX ($(NBVAL_MATRIX)), as .ci/run"
+	@echo "make nbval       the notebooks alone; make nbval-matrix: under each kernel set"
+	@echo "make lint | exercises | book | slides | zh-status | test-matrix | clean"
 
 tour: $(STAMP)
 	$(BIN)/zeroedu tour
@@ -46,15 +56,28 @@ NBVAL_MATRIX := native default
 # Notebooks whose kernel never imports torch or numpy (tests/test_ci.py runs them with both blocked): the kernel
 # sets above choose torch's kernels only, so these run under the native set alone. Every other notebook trains or
 # computes with torch and runs under each set.
-NBVAL_KERNEL_FREE := solutions/ex09_choose_strategy.ipynb
+NBVAL_KERNEL_FREE := solutions/ex09_choose_strategy.ipynb solutions/ex10_spot_the_errors.ipynb
+
+# `make test` runs nbval beside pytest, not after it: pytest spends much of its time on one core (a fresh
+# interpreter importing torch, a kernel starting, ranks waiting on gloo sockets), so on a 2-core machine the
+# other core runs the notebooks meanwhile (.ci/beside: nbval's output goes to build/nbval.log and is printed
+# when both are done; the exit status fails if either failed; Ctrl-C stops both). NBVAL_BESIDE=0 runs them one
+# after the other, as before (on a machine that other jobs keep busy, where the tests' time limits have less room).
+NBVAL_BESIDE ?= 1
+NBVAL_LOG := build/nbval.log
 
 test: $(STAMP)
 	$(BIN)/ruff check zeroedu tests examples scripts
+ifeq ($(NBVAL_BESIDE),1)
+	bash .ci/beside $(NBVAL_LOG) '$(MAKE) --no-print-directory nbval NBVAL_ISAS="$(NBVAL_ISAS)"' \
+	  '$(BIN)/python -m pytest -q tests'
+else
 	$(BIN)/python -m pytest -q tests
 	$(MAKE) --no-print-directory nbval NBVAL_ISAS="$(NBVAL_ISAS)"
+endif
 
-# The edit loop: ruff and pytest without nbval and without the tests marked slow (a few minutes). `make test`
-# stays the full check that CI runs.
+# The edit loop: ruff and pytest without nbval and without the tests marked slow (tests/conftest.py lists them),
+# under 5 minutes here. `make test` stays the full check that CI runs.
 test-fast: $(STAMP)
 	$(BIN)/ruff check zeroedu tests examples scripts
 	$(BIN)/python -m pytest -q -m "not slow" tests

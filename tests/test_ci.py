@@ -109,3 +109,21 @@ def test_a_notebook_that_trains_is_not_run_once():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode != 0 and "torch" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("foreground, background, ok", [
+    ("echo tests passed", "echo notebooks passed", True),
+    ("echo tests failed; exit 3", "echo notebooks passed", False),
+    ("echo tests passed", "echo notebooks failed; exit 2", False),
+])
+def test_make_test_runs_nbval_beside_pytest_and_fails_if_either_fails(tmp_path, foreground, background, ok):
+    """`make test` runs nbval beside pytest through .ci/beside: the run beside writes to its log, which is printed
+    after the foreground's output, and the exit status is non-zero when either command failed."""
+    log = tmp_path / "deep" / "nbval.log"
+    done = subprocess.run(["bash", str(ROOT / ".ci" / "beside"), str(log), f"sleep 0.3; {background}", foreground],
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode == 0) == ok, (done.returncode, done.stdout, done.stderr)
+    lines = done.stdout.splitlines()   # whole lines: the header lines quote both commands
+    assert log.read_text().strip() == background.split(";")[0].removeprefix("echo ")
+    assert lines.index(foreground.split(";")[0].removeprefix("echo ")) < lines.index(log.read_text().strip()), lines
+    assert "beside pytest" in (ROOT / "Makefile").read_text() and "bash .ci/beside" in (ROOT / "Makefile").read_text()
