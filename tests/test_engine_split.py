@@ -57,3 +57,14 @@ def test_old_imports_give_one_engine_with_both_halves():
     assert zeroedu.engine.Engine is Engine
     for name in ("save_checkpoint", "get_lr", "no_sync", "forward", "step", "group_decay"):
         assert callable(getattr(Engine, name)), name
+
+
+def test_the_facade_and_the_step_report_use_only_the_steps_public_names():
+    """Both sit beside the step and reach it as an extra does (tests/test_protocol.py's rule): the report once kept
+    positions into the engine's private marks, which trimming shifted (issue 33's `_marks` bug)."""
+    from test_protocol import core_privates, touches
+
+    privates = core_privates()
+    assert {"_phase", "_tracker"} <= privates
+    for name in ("facade.py", "report.py"):
+        assert not touches(ENGINE / name, privates), touches(ENGINE / name, privates)
