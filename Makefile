@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml scripts/install_torch.py
 
 help:
 	@echo "make tour        the course's tour: every stage's bytes against theory (builds .venv first)"
-	@echo "make test-fast   the edit loop: ruff + pytest without nbval and the slow tests (under 5 min on 2 cores)"
+	@echo "make test-fast   the edit loop: ruff + pytest without nbval and the slow tests (its goal: under 5 min on 2 cores)"
 	@echo "make test        what CI runs: ruff + every test + nbval over every notebook, beside pytest"
 	@echo "                 (NBVAL_BESIDE=0: one after the other; NBVAL_ISAS='native default': both kernel sets)"
 	@echo "make ci          make test with nbval under each kernel set of NBVAL_MATRIX ($(NBVAL_MATRIX)), as .ci/run"
