@@ -409,6 +409,13 @@ def load_config(config: dict[str, Any] | str | os.PathLike | Config | None) -> C
     if isinstance(zero_raw, dict):
         raw["zero_optimization"] = _map_deprecated_offload(p, zero_raw)
     cfg = parse(Config, raw, "", p)
+    if "gradient_clipping" not in config:
+        # DeepSpeed 0.19.8 clips a config that leaves the key out: GRADIENT_CLIPPING_DEFAULT = 1.0
+        # (runtime/constants.py). zeroedu keeps 0 (saved lesson outputs count the collectives of unclipped steps),
+        # and says so, since the same config would then train differently under DeepSpeed.
+        p.notes.append("'gradient_clipping' is left out: zeroedu does not clip, but DeepSpeed 0.19.8 clips the "
+                       "gradient norm at 1.0 when the key is left out, so its losses differ once the norm exceeds "
+                       "1. Write \"gradient_clipping\": 1.0 for DeepSpeed's result, or 0 for no clipping in both.")
     if "bfloat16" in config and "bf16" not in config:
         cfg = dataclasses.replace(cfg, bf16=parse(BF16Config, old_bf16, "bfloat16", p))
     if "optimizer" not in p.given:
