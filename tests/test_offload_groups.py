@@ -1,7 +1,8 @@
 """Parameter groups that differ in weight decay (the Hugging Face Trainer's "no decay on biases and norms") with
 offload_optimizer: the host step, at "cpu" and at "nvme", decays each group by its own weight decay. Checked on 2
 gloo ranks against a single-process torch AdamW built with the same groups, and against DeepSpeed 0.19.8 on 2 gloo
-ranks with the same config (DeepSpeed's torch_adam: its CPUAdam is a C++ build)."""
+ranks with the same config (DeepSpeed's torch_adam: its CPUAdam is a C++ build). A client optimizer with a frozen
+parameter, or over a subset of the model, with offload_optimizer: as DeepSpeed's."""
 
 from __future__ import annotations
 
@@ -43,18 +44,29 @@ def _batch(step: int, world: int):
     return torch.randn(MICRO * world, 32, generator=gen), torch.randint(0, 10, (MICRO * world,), generator=gen)
 
 
-def _train(rank: int, world: int, runs: list[tuple[str, int, str, str]]) -> dict:
-    """For each (library, stage, tier, nvme folder): the mean loss of each step and the final full weights."""
+def _train(rank: int, world: int, runs: list[tuple[str, int, str, str, str]]) -> dict:
+    """For each (library, stage, tier, nvme folder, case): the mean loss of each step and the final full weights.
+    case "groups": _groups as model_parameters; "frozen": a client AdamW over the model with one bias frozen;
+    "subset": a client AdamW over the last layer only (the rest is not trained)."""
     import torch.nn.functional as F
 
     from zeroedu.graduate import import_deepspeed
 
     out = {}
-    for name, stage, tier, path in runs:
+    for name, stage, tier, path, case in runs:
         lib = import_deepspeed() if name == "deepspeed" else zeroedu
         cfg = _config(stage, tier, path)
         model = MLP(seed=0)
-        engine, *_ = lib.initialize(model=model, model_parameters=_groups(model), config=cfg)
+        if case == "groups":
+            engine, *_ = lib.initialize(model=model, model_parameters=_groups(model), config=cfg)
+        else:
+            # DeepSpeed takes a torch optimizer with ZeRO-Offload only when told to (zero_force_ds_cpu_optimizer).
+            cfg = {**{k: v for k, v in cfg.items() if k != "optimizer"}, "zero_force_ds_cpu_optimizer": False}
+            if case == "frozen":
+                model.layers[0].bias.requires_grad_(False)
+            params = model.parameters() if case == "frozen" else model.layers[2].parameters()
+            opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+            engine, *_ = lib.initialize(model=model, optimizer=opt, config=cfg)
         losses = []
         for s in range(STEPS):
             x, y = shard_batch(*_batch(s, world), rank, world, 0, 1)
@@ -70,7 +82,8 @@ def _train(rank: int, world: int, runs: list[tuple[str, int, str, str]]) -> dict
             engine.close()
         elif stage < 3:   # DeepSpeed's ZeRO-3 module holds empty placeholders
             weights = {f"module.{k}": v.float().clone() for k, v in engine.module.state_dict().items()}
-        out[(name, stage, tier)] = {"losses": losses, "weights": weights}
+        out[(name, stage, tier) if case == "groups" else (name, stage, tier, case)] = {"losses": losses,
+                                                                                       "weights": weights}
     return out
 
 
@@ -102,9 +115,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     path = str(tmp_path_factory.mktemp("nvme"))
-    plan = [("zeroedu", stage, tier, path) for stage in (1, 2, 3) for tier in ("cpu", "nvme")]
+    plan = [("zeroedu", stage, tier, path, "groups") for stage in (1, 2, 3) for tier in ("cpu", "nvme")]
+    plan += [("zeroedu", stage, "cpu", path, case) for stage in (2, 3) for case in ("frozen", "subset")]
     if importlib.util.find_spec("deepspeed") is not None:
-        plan += [("deepspeed", stage, "cpu", path) for stage in (1, 2, 3)]
+        plan += [("deepspeed", stage, "cpu", path, "groups") for stage in (1, 2, 3)]
+        plan += [("deepspeed", stage, "cpu", path, case) for stage in (2, 3) for case in ("frozen", "subset")]
     return zeroedu.launch(_train, world_size=N, args=(plan,), timeout=550)[0]
 
 
@@ -137,3 +152,17 @@ def test_grouped_weight_decay_with_offload_trains_as_deepspeeds(runs, stage):
     assert _close(ours["losses"], theirs["losses"]), (ours["losses"], theirs["losses"])
     for k, v in theirs["weights"].items():
         assert _rel(ours["weights"][k], v) < 1e-5, (k, _rel(ours["weights"][k], v))
+
+
+@pytest.mark.parametrize("case", ["frozen", "subset"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_frozen_and_subset_client_optimizers_with_offload_train_as_deepspeeds(runs, stage, case):
+    if ("deepspeed", stage, "cpu", case) not in runs:
+        pytest.skip("DeepSpeed is not installed")
+    ours, theirs = runs[("zeroedu", stage, "cpu", case)], runs[("deepspeed", stage, "cpu", case)]
+    assert _close(ours["losses"], theirs["losses"]), (ours["losses"], theirs["losses"])
+    for k, v in theirs["weights"].items():
+        assert _rel(ours["weights"][k], v) < 1e-5, (k, _rel(ours["weights"][k], v))
+    # What the optimizer does not hold keeps its initial value: the frozen bias, or the first layer.
+    kept = "module.layers.0.bias" if case == "frozen" else "module.layers.0.weight"
+    assert torch.equal(ours["weights"][kept], MLP(seed=0).state_dict()[kept.removeprefix("module.")])
