@@ -489,7 +489,11 @@ def _check_across(p: Problems, cfg: Config, raw: dict[str, Any]) -> None:
         p.errors.append("'fp16.min_loss_scale' must be > 0 with dynamic loss scaling (loss_scale 0): it is the floor "
                         "the scale halves down to, and at 0 the loss becomes 0 (DeepSpeed refuses it too). Write 1.")
     if cfg.fp16.auto_cast and not cfg.fp16.enabled:
-        p.notes.append("'fp16.auto_cast' changes nothing without 'fp16.enabled' true.")
+        # DeepSpeed 0.19.8's engine.forward asks only fp16.auto_cast (runtime/engine.py, fp16_auto_cast).
+        p.notes.append("'fp16.auto_cast' is true with fp16 off: zeroedu leaves the inputs as they are, but DeepSpeed "
+                       "0.19.8 still casts the forward's floating-point inputs to fp16, which a bf16 or fp32 model "
+                       "then refuses (\"mat1 and mat2 must have the same dtype\"). Set it false to run the same "
+                       "under both.")
     ac, a = cfg.activation_checkpointing, "activation_checkpointing"
     for needs in ("cpu_checkpointing", "contiguous_memory_optimization"):
         if getattr(ac, needs) and not ac.partition_activations:
