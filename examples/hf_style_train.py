@@ -64,9 +64,11 @@ def batch(step: int, micro: int, rank: int, world: int) -> tuple[torch.Tensor, t
     return mine[:, :-1], mine[:, 1:]
 
 
-def main(out_dir: str, stage: int = 2) -> dict:
+def main(out_dir: str, stage: int = 2, offload: bool = False) -> dict:
     config = json.loads(json.dumps(DS_CONFIG))
     config["zero_optimization"]["stage"] = stage
+    if offload:   # ZeRO-Offload: the optimizer step on the CPU (with torch_adam, torch's AdamW there too)
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     model = TinyLM()
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=grouped_parameters(model, config["optimizer"]["params"]["weight_decay"]),
@@ -97,6 +99,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="hf_style_out")
     parser.add_argument("--stage", type=int, default=2)
+    parser.add_argument("--offload", action="store_true", help="offload_optimizer to the CPU")
     parser.add_argument("--local_rank", type=int, default=-1)   # the deepspeed launcher passes it
     args = parser.parse_args()
-    print(main(args.out, args.stage))
+    print(main(args.out, args.stage, args.offload))

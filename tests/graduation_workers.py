@@ -221,6 +221,10 @@ def corpus_train(rank: int, world: int, runs: dict[str, tuple[dict, float | None
     return out
 
 
+def _offloads_optimizer(cfg: dict) -> bool:
+    return cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
+
+
 def corpus_both(rank: int, world: int, runs: dict[str, tuple[dict, float | None]]) -> dict:
     """corpus_train's 3 steps under zeroedu and under DeepSpeed 0.19.8: {(library, name): losses}."""
     out = {}
@@ -229,6 +233,12 @@ def corpus_both(rank: int, world: int, runs: dict[str, tuple[dict, float | None]
         for name, (cfg, client_lr) in runs.items():
             model = MLP(seed=0)
             client = torch.optim.AdamW(model.parameters(), lr=client_lr) if client_lr else None
+            if client and lib == "deepspeed" and _offloads_optimizer(cfg):
+                # DeepSpeed refuses a torch optimizer with ZeRO-Offload (zero_force_ds_cpu_optimizer): a script for
+                # it passes DeepSpeedCPUAdam, here with torch AdamW's defaults (weight decay 0.01, decoupled).
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                client = DeepSpeedCPUAdam(model.parameters(), lr=client_lr, weight_decay=0.01, adamw_mode=True)
             engine, *_ = ds.initialize(model=model, config=cfg, optimizer=client,
                                        model_parameters=None if client else model.parameters())
             micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()

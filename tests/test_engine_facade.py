@@ -113,13 +113,3 @@ def test_fp16_auto_cast_casts_the_inputs_as_deepspeed():
     for rank in r:
         assert rank["auto_cast"] == rank["by_hand"]
 
-
-def test_grouped_weight_decay_with_offload_is_a_clear_error():
-    model = MLP(seed=0)
-    named = list(model.named_parameters())
-    groups = [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
-              {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
-    cfg = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
-    with pytest.raises(ValueError, match="different weight_decay and offload_optimizer"):
-        zeroedu.initialize(model=model, model_parameters=groups, config=cfg)

@@ -52,3 +52,55 @@ def test_same_script_same_numbers(runs):
     for r in (ours, theirs):
         assert r["consolidated"]["same_as_engine"]
         assert "latest" in r["files"]
+
+
+def _clipping(rank: int, world: int) -> dict:
+    """A config without gradient_clipping, 3 steps under DeepSpeed as written, under zeroedu as written, and under
+    zeroedu with the note's fix ("gradient_clipping": 1.0). The loss is scaled so that the norm is well above 1."""
+    import torch
+    import torch.nn.functional as F
+
+    from zeroedu.graduate import library
+    from zeroedu.models import MLP, shard_batch
+
+    # SGD (a client torch optimizer, which DeepSpeed's ZeRO takes with zero_allow_untested_optimizer): its step is
+    # proportional to the clipped gradient, so clipping shows in every later loss.
+    base = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+            "zero_allow_untested_optimizer": True}
+    out = {}
+    for key, name, cfg in (("deepspeed", "deepspeed", base), ("as_written", "zeroedu", base),
+                           ("fixed", "zeroedu", {**base, "gradient_clipping": 1.0})):
+        ds = library(name)
+        model = MLP(seed=0)
+        engine, *_ = ds.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), config=cfg)
+        losses, norms = [], []
+        for s in range(3):
+            gen = torch.Generator().manual_seed(s)
+            x, y = torch.randn(2 * world, 32, generator=gen), torch.randint(0, 10, (2 * world,), generator=gen)
+            xs, ys = shard_batch(x, y, rank, world, 0, 1)
+            loss = 50 * F.cross_entropy(engine(xs), ys)
+            engine.backward(loss)
+            engine.step()
+            mean = loss.detach().reshape(1).double()
+            torch.distributed.all_reduce(mean)
+            losses.append(float(mean) / world)
+            norms.append(engine.get_global_grad_norm())
+        out[key] = {"losses": losses, "norms": norms,
+                    "clip": engine.gradient_clipping() if name == "deepspeed" else engine.config.gradient_clipping,
+                    "lines": list(getattr(engine, "log_lines", []))}
+    return out
+
+
+def test_gradient_clipping_left_out_is_deepspeeds_one_with_the_fix_and_a_note():
+    """DeepSpeed 0.19.8 clips at 1.0 when a config leaves gradient_clipping out (GRADIENT_CLIPPING_DEFAULT in
+    deepspeed/runtime/constants.py). zeroedu keeps 0 and says so in a note at initialize; with the note's fix it
+    trains as DeepSpeed does."""
+    r = zeroedu.launch(_clipping, world_size=N, timeout=550)[0]
+    ds, as_written, fixed = r["deepspeed"], r["as_written"], r["fixed"]
+    assert ds["clip"] == 1.0 and as_written["clip"] == 0.0
+    assert all(n > 1.0 for n in ds["norms"]), ds["norms"]   # DeepSpeed's clipping is at work every step
+    assert fixed["losses"] == pytest.approx(ds["losses"], rel=1e-5), (fixed["losses"], ds["losses"])
+    assert as_written["losses"][0] == ds["losses"][0]
+    assert all(abs(a - b) > 1e-2 * b for a, b in zip(as_written["losses"][1:], ds["losses"][1:], strict=True))
+    assert sum("'gradient_clipping' is left out" in line and "1.0" in line for line in as_written["lines"]) == 1
+    assert not any("'gradient_clipping' is left out" in line for line in fixed["lines"])

@@ -61,11 +61,6 @@ def initialize(model: torch.nn.Module | None = None, config=None, model_paramete
     config = client.config_source(config, config_params, args)
     cfg = load_config(config)
     cfg, left_out = client.with_client_optimizer(cfg, model, optimizer, model_parameters)
-    if cfg.zero_optimization.offload_optimizer.device != "none" and any(
-            hasattr(p, client.DECAY_ATTR) for p in model.parameters()):
-        raise ValueError("parameter groups with different weight_decay and offload_optimizer together are not "
-                         "implemented (the host step applies one weight decay): use one weight_decay for every "
-                         "group, or train without offload_optimizer.")
     cfg.zeroedu.apply()   # the config's `zeroedu` knobs, set in this rank's modules before the engine reads them
     if not dist.is_initialized():
         if dist_init_required is False:   # as DeepSpeed: False means the caller has set torch.distributed up

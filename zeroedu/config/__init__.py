@@ -14,8 +14,8 @@ learner fixes them all at once.
 Where a default differs from DeepSpeed's, the field's `differs` says how (docs/benchmarks.md, "At the defaults",
 has the table): bucket and prefetch sizes left out are sized to the model (zeroedu.stages.sizing); overlap_comm is
 true at every stage; stage3_max_reuse_distance is 0 (the ZeRO paper's 3 Psi); gradient_clipping is 0 (DeepSpeed
-0.19.8: 1.0); a config without an optimizer section gets Adam at lr 1e-3, and one without batch keys a micro-batch
-of 1 (DeepSpeed: no optimizer, and an error for the batch).
+0.19.8: 1.0, so a config that leaves it out gets a note saying so); a config without an optimizer section gets
+Adam at lr 1e-3, and one without batch keys a micro-batch of 1 (DeepSpeed: no optimizer, and an error for the batch).
 
 The `zeroedu` section holds zeroedu's own knobs that live in modules (ZeRO++ code widths and blocks, the node
 size, the CPU Adam, the ledger's and timeline's limits); `Config.resolved()` is what a run used, and checkpoints

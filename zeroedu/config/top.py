@@ -409,6 +409,13 @@ def load_config(config: dict[str, Any] | str | os.PathLike | Config | None) -> C
     if isinstance(zero_raw, dict):
         raw["zero_optimization"] = _map_deprecated_offload(p, zero_raw)
     cfg = parse(Config, raw, "", p)
+    if "gradient_clipping" not in config:
+        # DeepSpeed 0.19.8 clips a config that leaves the key out: GRADIENT_CLIPPING_DEFAULT = 1.0
+        # (runtime/constants.py). zeroedu keeps 0 (saved lesson outputs count the collectives of unclipped steps),
+        # and says so, since the same config would then train differently under DeepSpeed.
+        p.notes.append("'gradient_clipping' is left out: zeroedu does not clip, but DeepSpeed 0.19.8 clips the "
+                       "gradient norm at 1.0 when the key is left out, so its losses differ once the norm exceeds "
+                       "1. Write \"gradient_clipping\": 1.0 for DeepSpeed's result, or 0 for no clipping in both.")
     if "bfloat16" in config and "bf16" not in config:
         cfg = dataclasses.replace(cfg, bf16=parse(BF16Config, old_bf16, "bfloat16", p))
     if "optimizer" not in p.given:
@@ -482,7 +489,11 @@ def _check_across(p: Problems, cfg: Config, raw: dict[str, Any]) -> None:
         p.errors.append("'fp16.min_loss_scale' must be > 0 with dynamic loss scaling (loss_scale 0): it is the floor "
                         "the scale halves down to, and at 0 the loss becomes 0 (DeepSpeed refuses it too). Write 1.")
     if cfg.fp16.auto_cast and not cfg.fp16.enabled:
-        p.notes.append("'fp16.auto_cast' changes nothing without 'fp16.enabled' true.")
+        # DeepSpeed 0.19.8's engine.forward asks only fp16.auto_cast (runtime/engine.py, fp16_auto_cast).
+        p.notes.append("'fp16.auto_cast' is true with fp16 off: zeroedu leaves the inputs as they are, but DeepSpeed "
+                       "0.19.8 still casts the forward's floating-point inputs to fp16, which a bf16 or fp32 model "
+                       "then refuses (\"mat1 and mat2 must have the same dtype\"). Set it false to run the same "
+                       "under both.")
     ac, a = cfg.activation_checkpointing, "activation_checkpointing"
     for needs in ("cpu_checkpointing", "contiguous_memory_optimization"):
         if getattr(ac, needs) and not ac.partition_activations:

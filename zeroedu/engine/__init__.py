@@ -433,9 +433,10 @@ class Engine(DeepSpeedFacade):
         if not any(hasattr(p, DECAY_ATTR) for p in self.layout.params):
             return []
         runs = []
-        for b, m in zip(self.layout.buckets, self.master_pieces, strict=True):
-            lo = 0 if m.numel() == b.padded else self.rank * b.piece
-            hi = lo + m.numel()
+        for b in self.layout.buckets:
+            # From the layout, not the piece's storage: offload at nvme empties the pieces between steps.
+            lo = self.rank * b.piece if self.sharded else 0
+            hi = lo + (b.piece if self.sharded else b.padded)
             mine = []
             for p, off, shape in zip(b.params, b.offsets, b.shapes, strict=True):
                 s, e = max(lo, off), min(hi, off + shape.numel())

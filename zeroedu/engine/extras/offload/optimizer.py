@@ -129,6 +129,7 @@ class OptimizerOffloadMixin:
         t0 = time.time()
         for master, g in zip(self.master_pieces, grads, strict=True):
             master.grad = self._scaled(g, coef)
+        self.group_decay(list(range(len(self.master_pieces))))   # each parameter group's weight decay, if they differ
         self.optimizer.step()
         for master in self.master_pieces:
             master.grad = None
@@ -163,6 +164,7 @@ class OptimizerOffloadMixin:
             reads.pop(i).wait()
             t0 = time.time()
             master.grad = self._scaled(g, coef)
+            self.group_decay([i])    # on the piece just read in, before the optimizer steps it
             self.optimizer.step()    # only this piece has a gradient: Adam skips the others
             master.grad = None
             self.adam_timeline.append(("adam", t0, time.time()))
