@@ -180,22 +180,57 @@ def _text_outputs(cell: dict, sanitizers) -> str:
     return text
 
 
+# A number standing alone (not the 16 of "bf16" or the 8 of "int8"; "1.1x" is 1.1), and the verdict marks a check
+# prints.
+_NUMBER = re.compile(r"(?<![A-Za-z_\d.,])([-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[-+]?\d+)?)"
+                     r"(?:x\b|(?![A-Za-z_\d]|\.\d))")
+_VERDICT = re.compile(r"✓|✗|✅|❌|⚠|True|False")
+_CJK = re.compile(r"[\u4e00-\u9fff]")
+
+
+def _neutral(text: str) -> list[list[str]]:
+    """What a printed text says whatever its language: per line that has any, its numbers and verdicts (True,
+    False, ✓, ✗ ...), as a sorted list (a Chinese sentence may name them in another order). Lines without any are
+    prose, which the translation rewrites."""
+    out = []
+    for line in text.splitlines():
+        tokens = sorted(_NUMBER.findall(line) + _VERDICT.findall(line))
+        if tokens:
+            out.append(tokens)
+    return out
+
+
+def test_neutral_text_sees_a_changed_number_or_verdict():
+    en = "stage 3 sends 3 x 1,024 bytes in bf16: True, at N = 65,536, nodes of 8.\nprose only\n✓ within 1.1x (2/2)"
+    zh = "stage 3 以 bf16 发送 3 x 1,024 字节：True，N = 65,536，每节点 8 卡。\n✓ 在 1.1 倍以内 (2/2)"
+    assert _neutral(en) == _neutral(zh)
+    for wrong in (zh.replace("1,024", "1,025"), zh.replace("True", "False"), zh.replace("✓", "✗"),
+                  zh.replace("(2/2)", "(1/2)"), zh.replace("stage 3 ", "stage 2 "), zh.replace("1.1 倍", "1 倍")):
+        assert _neutral(en) != _neutral(wrong), wrong
+
+
 @pytest.mark.parametrize("english", TRANSLATED, ids=lambda p: p.stem)
 def test_chinese_outputs_are_the_english_ones(english):
     """Why `make test` runs nbval on the English notebooks only: a Chinese notebook runs the same code cells, and
-    the language switch changes only pictures and widgets, which nbval does not compare. So where its saved text
-    outputs equal the English ones (masked as nbval masks them), nbval over the Chinese notebook checks exactly
-    what nbval over the English one checks, and running it would run the same code twice for nothing. A lesson
-    whose printed text came to depend on the language would fail here; then give it an nbval run of its own."""
+    the language switch changes only words: pictures, widgets, and the prose a cell prints through `tr()`. So a
+    cell's saved text output must equal the English one (masked as nbval masks it); or, where the Chinese output
+    speaks more Chinese than the English one, say the same numbers and verdicts line by line (`_neutral`). Then
+    nbval over the Chinese notebook would check the same bytes, counts and verdicts as nbval over the English one, and running it would
+    run the same code twice for nothing. A cell whose numbers came to depend on the language fails here."""
     sanitizers = _sanitizers()
     en = [c for c in _cells(english) if c["cell_type"] == "code"]
     zh = [c for c in _cells(ed.zh_path(english)) if c["cell_type"] == "code" and c["id"] != ed.LANG_CELL_ID]
     for e, z in zip(en, zh, strict=True):
         if "NBVAL_IGNORE_OUTPUT" in "".join(e["source"]) or "NBVAL_SKIP" in "".join(e["source"]):
             continue
-        assert _text_outputs(z, sanitizers) == _text_outputs(e, sanitizers), \
-            f"cell {e['id']}: the Chinese notebook's saved output differs from the English one " \
-            f"(re-run `python -m zeroedu.i18n build --execute {english.stem}` after re-executing the English)"
+        en_text, zh_text = _text_outputs(e, sanitizers), _text_outputs(z, sanitizers)
+        if en_text == zh_text:
+            continue
+        rerun = f"(re-run `python -m zeroedu.i18n build --execute {english.stem}` after re-executing the English)"
+        assert len(_CJK.findall(zh_text)) > len(_CJK.findall(en_text)), \
+            f"cell {e['id']}: the Chinese notebook's saved output differs from the English one {rerun}"
+        assert _neutral(zh_text) == _neutral(en_text), \
+            f"cell {e['id']}: the Chinese output says other numbers or verdicts than the English one {rerun}"
 
 
 # -- the Chinese exercises, graded by the real grader ------------------------------------------------------------
