@@ -215,8 +215,9 @@ def test_chinese_outputs_are_the_english_ones(english):
     the language switch changes only words: pictures, widgets, and the prose a cell prints through `tr()`. So a
     cell's saved text output must equal the English one (masked as nbval masks it); or, where the Chinese output
     speaks more Chinese than the English one, say the same numbers and verdicts line by line (`_neutral`). Then
-    nbval over the Chinese notebook would check the same bytes, counts and verdicts as nbval over the English one, and running it would
-    run the same code twice for nothing. A cell whose numbers came to depend on the language fails here."""
+    nbval over the Chinese notebook would check the same bytes, counts and verdicts as nbval over the English one,
+    and running it would run the same code twice for nothing. A cell whose numbers came to depend on the language
+    fails here."""
     sanitizers = _sanitizers()
     en = [c for c in _cells(english) if c["cell_type"] == "code"]
     zh = [c for c in _cells(ed.zh_path(english)) if c["cell_type"] == "code" and c["id"] != ed.LANG_CELL_ID]
