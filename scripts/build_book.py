@@ -85,13 +85,14 @@ def _pending_copy(src: Path, dst: Path, lang: str) -> None:
     dst.write_text(json.dumps(nb, ensure_ascii=False), encoding="utf-8")
 
 
-def _unlocalize(src: Path, dst: Path) -> None:
-    """A Chinese notebook staged at notebooks/NAME: its links were written for notebooks/zh/, one folder deeper."""
+def _unlocalize(src: Path, dst: Path, deeper: str = r"\.\./\.\./") -> None:
+    """A Chinese notebook staged at notebooks/NAME (or exercises/NAME): its links were written for notebooks/zh/
+    (or notebooks/zh/exercises/), one folder (or two) deeper."""
     nb = _without_setup(json.loads(src.read_text(encoding="utf-8")))
     for cell in nb["cells"]:
         if cell["cell_type"] == "markdown":
             text = "".join(cell["source"])
-            cell["source"] = re.sub(r"(\]\(|href=\")\.\./\.\./", r"\1../", text)
+            cell["source"] = re.sub(r"(\]\(|href=\")" + deeper, r"\1../", text)
     dst.write_text(json.dumps(nb, ensure_ascii=False), encoding="utf-8")
 
 
@@ -111,8 +112,11 @@ def stage(lang: str, src: Path) -> None:
             _pending_copy(nb, dst, lang)
     exercises = sorted((ROOT / "exercises").glob("ex*.ipynb"))
     for ex in exercises:
+        zh_ex = ed.zh_exercise_path(ROOT / "solutions" / ex.name)   # built by `python -m zeroedu.i18n build`
         if lang == "en":
             _copy(ex, src / "exercises" / ex.name)
+        elif zh_ex.exists():
+            _unlocalize(zh_ex, src / "exercises" / ex.name, r"\.\./\.\./\.\./")
         else:
             _pending_copy(ex, src / "exercises" / ex.name, lang)
     (src / "glossary.md").write_text(GLOSSARY_TITLE[lang] + "\n" + glossary(), encoding="utf-8")

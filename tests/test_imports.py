@@ -128,7 +128,9 @@ LAYERS: list[list[str]] = [
     ["zeroedu.compose"],              # builds the engine class for a config
     # the users: the API, the course, benchmarks, the grader, the command line
     ["zeroedu", "zeroedu.course", "zeroedu.bench", "zeroedu.grading", "zeroedu.doctor", "zeroedu.cli",
-     "zeroedu.__main__"],
+     "zeroedu.__main__",
+     # the Chinese edition's builder: it makes exercises/zh/ with the grader's own solution -> exercise function
+     "zeroedu.i18n.notebooks", "zeroedu.i18n.__main__"],
 ]
 
 

@@ -96,6 +96,11 @@ PHRASES: dict[str, str] = {
     "kB per optimizer step": "每个优化器步的 kB",
     "x stage 0 (DDP)": "× stage 0（DDP）",
     "bound max|x| / 2L": "上界 max|x| / 2L",
+    "leaving a node (per node)": "流出一个节点（每个节点）",
+    "within a node (per rank)": "节点内（每个 rank）",
+    "Bytes leaving a node, per node: what the links between nodes carry":
+        "每个节点流出的字节：节点间链路承载的量",
+    "Bytes within a node, per rank": "节点内的字节，每个 rank",
 }
 
 PATTERNS: list[tuple[re.Pattern, str | None]] = [

@@ -5,6 +5,21 @@
                                      msgid = the English text, msgstr = the Chinese text
     notebooks/zh/NN_name.ipynb       built from the two: never edited by hand
 
+The exercises work the same way, from their solution notebooks (the source of exercises/ too):
+
+    solutions/exNN_name.ipynb        the English solution, with its nbgrader metadata and hidden tests
+    notebooks/zh/po/exNN_name.po     one entry per markdown cell of the solution, as above
+    notebooks/zh/exercises/exNN_name.ipynb
+                                     the Chinese exercise: the Chinese solution (English code, Chinese
+                                     instructions) made into an exercise exactly as `zeroedu build-exercises`
+                                     makes exercises/ from solutions/
+
+The Chinese solution itself is built in memory and never saved: it holds the hidden tests, which must stay in
+solutions/ (the grader hides that folder from learners' code), and any folder inside solutions/ or exercises/ is
+a learner to `zeroedu grade FOLDER`. `zeroedu grade` grades a Chinese exercise against the English solution of the
+same name: its graded cells carry the same nbgrader grade_ids, and its one extra cell (the language switch) is an
+ungraded locked cell.
+
 Why gettext: translators and their tools know .po files, `polib` reads and writes them, and a changed English cell
 shows up the way gettext always shows it: its entry goes fuzzy with the previous English kept beside the new one, so
 the translator sees exactly what moved. `check()` is what tests/test_translations.py asserts: no English cell without
@@ -26,6 +41,8 @@ ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 ZH = NOTEBOOKS / "zh"
 PO = ZH / "po"
+SOLUTIONS = ROOT / "solutions"
+EXERCISES = ROOT / "exercises"
 LANG_CELL_ID = "zeroedu-lang-zh"
 LANG_CELL_SOURCE = 'import zeroedu\n\nzeroedu.lang("zh")  # 图表、控件和检查信息用中文'
 # A relative link in an English cell points from notebooks/; the Chinese notebook sits one folder deeper.
@@ -33,20 +50,50 @@ _LINK = re.compile(r"(\]\(|href=\")(\.\./)")
 
 
 def english_notebooks() -> list[Path]:
+    """The lessons, in order."""
     return sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 
 
+def solution_notebooks() -> list[Path]:
+    """The exercises' solution notebooks, in order (each one generates an exercise)."""
+    return sorted(SOLUTIONS.glob("ex[0-9][0-9]_*.ipynb"))
+
+
+def is_solution(english: Path) -> bool:
+    return english.parent.name == "solutions"
+
+
 def po_path(english: Path) -> Path:
+    """notebooks/zh/po/NAME.po, for a lesson and for an exercise's solution alike."""
     return PO / f"{english.stem}.po"
 
 
 def zh_path(english: Path) -> Path:
+    """Where the Chinese lesson is saved (a Chinese solution is never saved: see the module's docstring)."""
     return ZH / english.name
 
 
+def zh_exercise_path(solution: Path) -> Path:
+    """notebooks/zh/exercises/NAME.ipynb: the Chinese exercise a solution generates."""
+    return ZH / "exercises" / solution.name
+
+
+# An English exercise's relative link starts from exercises/, the Chinese one from notebooks/zh/exercises/.
+_EXERCISE_LINK = re.compile(r"(\]\(|href=\")\.\./")
+
+
+def localize_exercise_links(text: str) -> str:
+    return _EXERCISE_LINK.sub(r"\1../../../", text)
+
+
 def translated_notebooks() -> list[Path]:
-    """The English notebooks that have a Chinese catalogue (the edition grows lesson by lesson)."""
+    """The English lessons that have a Chinese catalogue (the edition grows lesson by lesson)."""
     return [nb for nb in english_notebooks() if po_path(nb).exists()]
+
+
+def translated_solutions() -> list[Path]:
+    """The solution notebooks that have a Chinese catalogue."""
+    return [nb for nb in solution_notebooks() if po_path(nb).exists()]
 
 
 def _read(path: Path) -> nbformat.NotebookNode:
@@ -107,7 +154,7 @@ def build(english: Path, previous: nbformat.NotebookNode | None = None) -> nbfor
         if cell.cell_type == "markdown":
             entry = entries.get(cell.id)
             if entry is not None and entry.msgstr:
-                new.source = localize_links(entry.msgstr)
+                new.source = (localize_exercise_links if is_solution(english) else localize_links)(entry.msgstr)
         elif cell.cell_type == "code":
             old = saved.get(cell.id)
             if old is not None and old.source == cell.source:
@@ -117,6 +164,9 @@ def build(english: Path, previous: nbformat.NotebookNode | None = None) -> nbfor
         cells.append(new)
     lang = nbformat.v4.new_code_cell(LANG_CELL_SOURCE, id=LANG_CELL_ID)
     lang.metadata["tags"] = ["zeroedu-lang", "remove-cell"]   # remove-cell: the book does not show it
+    if is_solution(english):   # every code cell of an exercise is an nbgrader cell: this one is given, ungraded
+        lang.metadata["nbgrader"] = {"grade": False, "grade_id": LANG_CELL_ID, "locked": True,
+                                     "schema_version": 3, "solution": False, "task": False}
     old_lang = saved.get(LANG_CELL_ID)
     if old_lang is not None:
         lang.outputs, lang.execution_count = old_lang.outputs, old_lang.execution_count
@@ -125,9 +175,33 @@ def build(english: Path, previous: nbformat.NotebookNode | None = None) -> nbfor
                   and "zeroedu-setup" not in c.metadata.get("tags", [])), -1)
     cells.insert(title + 1, lang)
     out = nbformat.v4.new_notebook(cells=cells, metadata=copy.deepcopy(en.metadata))
-    out.metadata["zeroedu"] = {"language": "zh", "english": f"../{english.name}"}
+    out.metadata["zeroedu"] = {**out.metadata.get("zeroedu", {}), "language": "zh",
+                               "english": f"../{english.name}" if not is_solution(english) else
+                               f"../../../exercises/{english.name}"}
     out.nbformat, out.nbformat_minor = en.nbformat, en.nbformat_minor
+    if is_solution(english):   # a solution's outputs are nbval's, on the English notebook; none are kept here
+        for cell in out.cells:
+            if cell.cell_type == "code":
+                cell.outputs, cell.execution_count = [], None
+            cell.metadata.pop("execution", None)
     return out
+
+
+def build_exercise(solution: Path, zh_solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """The Chinese exercise: the Chinese solution with its answers stubbed and hidden tests removed, by the same
+    function `zeroedu build-exercises` uses for exercises/."""
+    from zeroedu.grading import notebook as nbtools  # imported here: the lessons' edition needs no grader
+
+    nbtools.validate(zh_solution, f"the Chinese {solution.name}")
+    return nbtools.to_exercise(zh_solution, f"solutions/{solution.name} + notebooks/zh/po/{solution.stem}.po")
+
+
+def write(path: Path, nb: nbformat.NotebookNode) -> None:
+    """Save as `zeroedu build-exercises` saves (so a rebuild with nothing changed writes the same bytes)."""
+    from zeroedu.grading import notebook as nbtools
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(nbtools.write_text(nb), encoding="utf-8")
 
 
 @dataclass
@@ -168,6 +242,10 @@ def check(english: Path) -> Status:
             status.untranslated.append(cell.id)
         elif entry.msgid != cell.source or "fuzzy" in entry.flags:
             status.stale.append(cell.id)
-    zh = zh_path(english)
-    status.built = zh.exists() and _sources(_read(zh)) == _sources(build(english))
+    if is_solution(english):
+        zh = zh_exercise_path(english)
+        status.built = zh.exists() and _sources(_read(zh)) == _sources(build_exercise(english, build(english)))
+    else:
+        zh = zh_path(english)
+        status.built = zh.exists() and _sources(_read(zh)) == _sources(build(english))
     return status
