@@ -23,7 +23,8 @@ from pathlib import Path
 
 from zeroedu.grading.results import ExerciseResult
 
-BULK_FLAGS = {"--json", "--csv", "--executed", "--jobs", "--memory-gb", "--max-processes"}
+BULK_FLAGS = {"--json", "--csv", "--executed", "--jobs", "--memory-gb", "--max-processes", "--wide", "--roster",
+              "--canvas", "--moodle", "--feedback", "--report"}
 
 
 def own_notebook(paths: list[Path], extra: list[str], anywhere: bool = False) -> Path | None:
