@@ -12,11 +12,9 @@ The instructor keeps solutions/ and grades with it.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 from zeroedu.grading import notebook as nbtools
-from zeroedu.grading.build import build
 
 README = """# Exercises · 练习
 
@@ -50,14 +48,20 @@ def release(solutions: Path, out: Path) -> list[Path]:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--release {out}: the folder exists and is not empty; give a new folder (a release "
                          "is written whole, so that nothing from an earlier build is left in it)")
+    sources = sorted(solutions.glob("*.ipynb"))
+    if not sources:
+        raise FileNotFoundError(f"no solution notebooks (*.ipynb) in {solutions}")
+    exercises = []
+    for src in sources:            # what build.build writes, then stripped; all checked before anything is written
+        nb = nbtools.read(src)
+        nbtools.validate(nb, src.name)
+        exercise = nbtools.to_exercise(nb, f"{solutions.name}/{src.name}")
+        _strip(exercise)
+        exercises.append((src.name, nbtools.write_text(exercise)))
     (out / "exercises").mkdir(parents=True, exist_ok=True)
     written = []
-    with tempfile.TemporaryDirectory(prefix="zeroedu-release-") as tmp:
-        for path in build(solutions, Path(tmp)):
-            nb = nbtools.read(path)
-            _strip(nb)
-            target = out / "exercises" / path.name
-            target.write_text(nbtools.write_text(nb), encoding="utf-8")
-            written.append(target)
+    for name, text in exercises:
+        (out / "exercises" / name).write_text(text, encoding="utf-8")
+        written.append(out / "exercises" / name)
     (out / "README.md").write_text(README, encoding="utf-8")
     return [*written, out / "README.md"]
