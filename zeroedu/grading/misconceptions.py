@@ -28,7 +28,7 @@ class Misconception:
 
 
 CATALOGUE: tuple[Misconception, ...] = (
-    Misconception("not-attempted", r"^not implemented yet", "left an answer unwritten (NotImplementedError)",
+    Misconception("not-attempted", r"^not implemented yet|^尚未实现", "left an answer unwritten (NotImplementedError)",
                   "有答案单元格没有写（仍是 NotImplementedError）", "the exercise's own instructions"),
     Misconception("opt-not-divided", r"partitions the optimizer[ _]states|your optimizer_states = ",
                   "kept the whole optimizer states on every rank: stages 1-3 divide them by N",
@@ -47,11 +47,12 @@ CATALOGUE: tuple[Misconception, ...] = (
                   "used the wrong bytes per element or K (K = 12 for mixed-precision Adam, 8 in plain fp32)",
                   "每个元素的字节数或 K 用错了（混合精度 Adam 的 K = 12，纯 fp32 为 8）",
                   "notebooks/01_memory_anatomy.ipynb § 2", ("ex01",)),
-    Misconception("sum-not-mean", r"returned the sum, not the mean|times too big \(divide by N\)",
+    Misconception("sum-not-mean",
+                  r"returned the sum, not the mean|times too big \(divide by N\)|返回的是总和而不是平均值",
                   "summed the ranks' gradients without dividing by N (average = sum / N)",
                   "把各 rank 的梯度求和后没有除以 N（平均值 = 总和 / N）",
                   "notebooks/02_collectives.ipynb § 1, notebooks/05_stage2.ipynb § 1"),
-    Misconception("ring-off-by-one", r"off by \d+ step",
+    Misconception("ring-off-by-one", r"off by \d+ step|ring 的调度偏了",
                   "started the ring one step off (rank r must end holding chunk r)",
                   "ring 的起始块错了一步（rank r 最后应持有第 r 块）", "notebooks/02_collectives.ipynb § 2", ("ex02",)),
     Misconception("ring-index", r"raised IndexError",
