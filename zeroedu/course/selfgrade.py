@@ -23,7 +23,8 @@ from pathlib import Path
 
 from zeroedu.grading.results import ExerciseResult
 
-BULK_FLAGS = {"--json", "--csv", "--executed", "--jobs", "--memory-gb", "--max-processes"}
+BULK_FLAGS = {"--json", "--csv", "--executed", "--jobs", "--memory-gb", "--max-processes", "--wide", "--roster",
+              "--canvas", "--moodle", "--feedback", "--report"}
 
 
 def own_notebook(paths: list[Path], extra: list[str], anywhere: bool = False) -> Path | None:
@@ -79,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true")
     if any(a in {"-h", "--help"} for a in argv):
         return _help(grader)
+    if "--hints" in argv:      # every hint of every check, for instructors
+        from zeroedu.grading import hints
+
+        return hints.main([a for a in argv if a.startswith("--lang=")])
     args, extra = parser.parse_known_args(argv)
     one = len(args.paths) == 1 and args.paths[0].is_file() and not extra
     if not one:                                    # folders, several notebooks, --json/--csv: the gradebook
@@ -121,6 +126,11 @@ def _one(args: argparse.Namespace, trusted: bool) -> int:
         from zeroedu.course.progress import record_grade
 
         record_grade(args.paths[0], results[0])
+        from zeroedu.grading import hints  # one more hint per failed check, each time it fails again
+        from zeroedu.i18n import current
+
+        for line in hints.progressive(results[0], hints.record_failures(args.paths[0], results[0]), current()):
+            print(line)
     return 0
 
 
@@ -128,7 +138,8 @@ def _help(grader) -> int:
     print("usage: zeroedu grade NOTEBOOK            your own notebook (yours, in exercises/; or --mine): no sandbox,\n"
           "                                        one line per test with its hint, then the score\n"
           "       zeroedu grade NOTEBOOK --sandbox  someone else's notebook: in the sandbox, in the same detail\n"
-          "       zeroedu grade FOLDER... [--json F] [--csv F]   bulk: every learner's notebooks, sandboxed\n")
+          "       zeroedu grade FOLDER... [--json F] [--csv F]   bulk: every learner's notebooks, sandboxed\n"
+          "       zeroedu grade --hints [--lang=en|zh]  every progressive hint of every check (instructors)\n")
     try:
         grader.main(["--help"])
     except SystemExit:

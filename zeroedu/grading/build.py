@@ -86,10 +86,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-solutions", action="store_true",
                         help="execute the solution notebooks in place before building (refreshes their outputs)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per cell with --run-solutions")
+    parser.add_argument("--release", type=Path, default=None, metavar="DIR",
+                        help="write a learner's release into DIR: exercises only, no solutions, no hidden tests")
     args = parser.parse_args(argv)
     solutions = args.solutions or default_dir("solutions")
     out = args.out or default_dir("exercises")
     try:
+        if args.release is not None:   # release.py: a fresh, stripped build for learners
+            from zeroedu.grading.release import release
+
+            for path in release(solutions, args.release):
+                print(f"wrote {path}")
+            return 0
         if args.check:
             lines = differences(solutions, out)
             for line in lines:
@@ -103,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             run_solutions(solutions, args.timeout)
         for path in build(solutions, out):
             print(f"wrote {path}")
-    except (FileNotFoundError, nbtools.NotebookFormatError) as e:
+    except (FileNotFoundError, ValueError, nbtools.NotebookFormatError) as e:
         print(f"zeroedu build-exercises: {e}", file=sys.stderr)
         return 2
     return 0

@@ -55,18 +55,23 @@ def _learner_frame(tb: Any) -> traceback.FrameSummary | None:
 
 def describe_exception(e: BaseException) -> str:
     """An exception as a hint: what was raised, and where in the learner's code."""
+    from zeroedu.i18n import tr  # the learner's language (zeroedu.lang("zh") in the Chinese notebooks)
+
     if isinstance(e, NotImplementedError):
-        return f"not implemented yet: {e}" if str(e) else "not implemented yet (it raises NotImplementedError)"
+        return tr(f"not implemented yet: {e}", f"尚未实现：{e}") if str(e) else tr(
+            "not implemented yet (it raises NotImplementedError)", "尚未实现（仍抛出 NotImplementedError）")
     if isinstance(e, AssertionError):
-        return str(e) or "a test assertion failed (no message)"
+        return str(e) or tr("a test assertion failed (no message)", "测试断言失败（没有说明）")
     if type(e) is NameError:  # almost always a cell that did not run, or failed, before this one
-        return f"{e}: run the cell that defines it first, and fix it if it fails"
+        return tr(f"{e}: run the cell that defines it first, and fix it if it fails",
+                  f"{e}：请先运行定义它的单元格；如果那个单元格报错，先把它修好")
     where = ""
     frame = _learner_frame(e.__traceback__)
     if frame is not None:
         code = f": {frame.line.strip()}" if frame.line else ""
-        where = f" in {frame.name}, line {frame.lineno} of its cell{code}"
-    return f"your code raised {type(e).__name__}: {e}{where}"
+        where = tr(f" in {frame.name}, line {frame.lineno} of its cell{code}",
+                   f"（在 {frame.name} 中，所在单元格第 {frame.lineno} 行{code}）")
+    return tr(f"your code raised {type(e).__name__}: {e}{where}", f"你的代码抛出了 {type(e).__name__}：{e}{where}")
 
 
 def check(name: str, points: float = 1, test: Callable[[], Any] | None = None) -> Any:

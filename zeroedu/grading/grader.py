@@ -262,7 +262,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="processes and threads in the sandboxes (default 1024)")
     parser.add_argument("--jobs", type=int, default=2, help="notebooks graded at once (default 2)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    from zeroedu.grading import kit
+
+    kit.add_arguments(parser)   # --wide, --roster, --canvas, --moodle, --feedback, --report
     args = parser.parse_args(argv)
+    roster = kit.prepare(args)
     if args.timeout <= 0 or args.notebook_timeout <= 0:
         parser.error("--timeout and --notebook-timeout must be > 0 seconds")
     if args.max_output < 100 or args.jobs < 1 or args.memory_gb <= 0 or args.max_processes < 16:
@@ -277,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 3
         solutions_dir = (args.solutions or default_dir("solutions")).resolve()
-        outputs = [p for p in (args.json, args.csv, args.executed) if p is not None]
+        outputs = [p for p in (args.json, args.csv, args.executed) if p is not None] + kit.outputs(args)
         options.hidden = sb.hidden_paths(solutions_dir, list(args.paths), outputs)
         if not args.quiet:
             print(f"zeroedu grade: {sb.cgroup_note()}", file=sys.stderr)
@@ -302,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(gradebook(results), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     if args.csv:
         write_csv(results, args.csv)
+    kit.write(args, results, roster)
     return 0
 
 

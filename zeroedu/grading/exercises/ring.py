@@ -25,6 +25,7 @@ import torch
 
 from zeroedu.grading.exercises.ranks import RING_HANG_HINT, SendCounter, not_implemented, run_on_ranks
 from zeroedu.grading.remote import in_kernel
+from zeroedu.i18n import tr
 
 __all__ = ["RingRun", "chunk_sizes", "run_all_gather", "run_all_reduce", "run_reduce_scatter"]
 
@@ -139,23 +140,31 @@ class RingRun:
 
     def _check_row(self, rank: int, row: dict) -> None:
         n, got, want, numel = self.world_size, row["got"], row["want"], row["numel"]
-        where = f"on rank {rank} of {n}, {self.name}({numel} element{'s' * (numel != 1)} of {row['dtype']}"
-        where += ", average=True)" if row["average"] else ")"
+        call = f"{self.name}({numel} element{'s' * (numel != 1)} of {row['dtype']}"
+        call += ", average=True)" if row["average"] else ")"
+        where = tr(f"on rank {rank} of {n}, {call}", f"在 {n} 个 rank 中的 rank {rank} 上，{call}")
         if not isinstance(got, torch.Tensor):
-            raise AssertionError(f"{where} returned {got}, not a tensor: return the result as a torch.Tensor.")
+            raise AssertionError(tr(f"{where} returned {got}, not a tensor: return the result as a torch.Tensor.",
+                                    f"{where} 返回了 {got}，不是张量：请把结果作为 torch.Tensor 返回。"))
         if got.dtype != want.dtype:
-            raise AssertionError(f"{where} returned {got.dtype}, the input is {want.dtype}: allocate buffers "
-                                 "with the input's dtype (torch.empty_like, tensor.new_empty).")
+            raise AssertionError(tr(f"{where} returned {got.dtype}, the input is {want.dtype}: allocate buffers "
+                                    "with the input's dtype (torch.empty_like, tensor.new_empty).",
+                                    f"{where} 返回的是 {got.dtype}，输入是 {want.dtype}：缓冲区要用输入的 dtype 分配"
+                                    "（torch.empty_like、tensor.new_empty）。"))
         if got.numel() != want.numel():
             shifted = self._shifted(rank, row, got)
             if shifted:
                 raise AssertionError(f"{where} {shifted}")
             if self.op == "reduce_scatter" and got.numel() == numel:
-                raise AssertionError(f"{where} returned all {numel} elements; a reduce-scatter returns only this "
-                                     f"rank's chunk: chunk {rank} of tensor.tensor_split({n}), {want.numel()} "
-                                     "elements.")
-            raise AssertionError(f"{where} returned {got.numel()} elements, expected {want.numel()}"
-                                 f" (chunk sizes for {numel} elements on {n} ranks: {chunk_sizes(numel, n)}).")
+                raise AssertionError(tr(f"{where} returned all {numel} elements; a reduce-scatter returns only "
+                                        f"this rank's chunk: chunk {rank} of tensor.tensor_split({n}), "
+                                        f"{want.numel()} elements.",
+                                        f"{where} 返回了全部 {numel} 个元素；reduce-scatter 只返回本 rank 的那一块："
+                                        f"tensor.tensor_split({n}) 的第 {rank} 块，{want.numel()} 个元素。"))
+            raise AssertionError(tr(f"{where} returned {got.numel()} elements, expected {want.numel()}"
+                                    f" (chunk sizes for {numel} elements on {n} ranks: {chunk_sizes(numel, n)}).",
+                                    f"{where} 返回了 {got.numel()} 个元素，应为 {want.numel()}"
+                                    f"（{numel} 个元素在 {n} 个 rank 上的分块大小：{chunk_sizes(numel, n)}）。"))
         got = got.reshape(want.shape)
         if _close(got, want):
             return
@@ -164,27 +173,35 @@ class RingRun:
     def _diagnose(self, rank: int, row: dict, got: torch.Tensor) -> str:
         n, want = self.world_size, row["want"]
         if row["average"] and _close(got, want * n):
-            return "returned the sum, not the mean: with average=True divide by the number of ranks N."
+            return tr("returned the sum, not the mean: with average=True divide by the number of ranks N.",
+                      "返回的是总和而不是平均值：average=True 时要除以 rank 数 N。")
         if not row["average"] and self.op == "reduce_scatter" and _close(got * n, want):
-            return "divided by N although average=False: return the plain sum."
+            return tr("divided by N although average=False: return the plain sum.",
+                      "average=False 时却除以了 N：请返回直接求和的结果。")
         if self.op == "reduce_scatter":
             shifted = self._shifted(rank, row, got)
             if shifted:
                 return shifted
             scale = n if row["average"] else 1
             if _close(got, row["own"]) or _close(got, row["own"] / scale):
-                return "returned this rank's own chunk, not the sum: nothing from the other ranks was added."
-            return ("returned values that are not the sum over all ranks: at each step add the partial sum you "
-                    "received to this rank's own part of that chunk, and send the result on.")
+                return tr("returned this rank's own chunk, not the sum: nothing from the other ranks was added.",
+                          "返回的是本 rank 自己的那一块，不是总和：没有加上其他 rank 的数据。")
+            return tr("returned values that are not the sum over all ranks: at each step add the partial sum you "
+                      "received to this rank's own part of that chunk, and send the result on.",
+                      "返回的值不是所有 rank 的总和：每一步要把收到的部分和加上本 rank 自己的那一块，再把结果发出去。")
         if self.op == "all_reduce":
             if _close(got, row["own"]):
-                return "returned this rank's input unchanged: nothing was summed."
-            return "did not return the sum over all ranks (compare: ring_reduce_scatter, then ring_all_gather)."
+                return tr("returned this rank's input unchanged: nothing was summed.",
+                          "原样返回了本 rank 的输入：什么都没有求和。")
+            return tr("did not return the sum over all ranks (compare: ring_reduce_scatter, then ring_all_gather).",
+                      "返回的不是所有 rank 的总和（对照：先 ring_reduce_scatter，再 ring_all_gather）。")
         # all_gather: which chunks are wrong?
         bad = [c for c, (g, w) in enumerate(zip(got.tensor_split(n), want.tensor_split(n), strict=True))
                if not _close(g, w)]
-        return (f"chunk(s) {bad} of the gathered tensor are wrong (chunk c must be rank c's shard). Check which "
-                "chunk you forward at each step: at step 0 your own, then the one that just arrived.")
+        return tr(f"chunk(s) {bad} of the gathered tensor are wrong (chunk c must be rank c's shard). Check which "
+                  "chunk you forward at each step: at step 0 your own, then the one that just arrived.",
+                  f"收集到的张量中第 {bad} 块是错的（第 c 块必须是 rank c 的分片）。检查每一步转发的是哪一块："
+                  "第 0 步发自己的，之后发刚收到的那一块。")
 
     def _shifted(self, rank: int, row: dict, got: torch.Tensor) -> str:
         """For a reduce-scatter that returned another rank's chunk of the sum: say so, and by how many steps."""
@@ -194,9 +211,11 @@ class RingRun:
         scale = n if row["average"] else 1
         for c, chunk in enumerate(row["total"].tensor_split(n)):
             if c != rank and _close(got.reshape(-1), chunk / scale):
-                return (f"returned chunk {c} of the sum, but rank {rank} must end with chunk {rank}: the ring "
-                        f"schedule is off by {(c - rank) % n} step(s). Count which chunk each rank sends at step 0 "
-                        "and follow one chunk around the ring.")
+                return tr(f"returned chunk {c} of the sum, but rank {rank} must end with chunk {rank}: the ring "
+                          f"schedule is off by {(c - rank) % n} step(s). Count which chunk each rank sends at step "
+                          "0 and follow one chunk around the ring.",
+                          f"返回的是总和的第 {c} 块，但 rank {rank} 最后应持有第 {rank} 块：ring 的调度偏了 "
+                          f"{(c - rank) % n} 步。数一数第 0 步每个 rank 发的是哪一块，再跟着一块走完整个 ring。")
         return ""
 
     def check_bytes(self) -> None:
