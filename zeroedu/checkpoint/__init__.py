@@ -131,6 +131,8 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     """
     tag = _save_tag(engine, tag, client_state)
     engine.wait()
+    if getattr(engine.comm, "agreement", None) is not None:   # no checkpoint of steps whose ranks drifted apart
+        engine.comm.agreement.finish("save_checkpoint()")
     final = os.path.join(save_dir, tag)
     partial = os.path.join(save_dir, f".{tag}.partial")
     rank = engine.rank
