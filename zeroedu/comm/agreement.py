@@ -44,6 +44,8 @@ def finish_all(why: str) -> None:
     """Finish every agreement of this process with checks left to read, oldest first (a launched rank, once fn has
     returned): the checks of the run's last steps are read, so a drift there is raised instead of ending the run
     in silence."""
+    if not dist.is_initialized():   # fn destroyed the process group itself: nothing can be checked any more
+        _LIVE.clear()
     while _LIVE:
         _LIVE[0].finish(why)
 
