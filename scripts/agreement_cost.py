@@ -34,9 +34,9 @@ def _rank(rank: int, world: int, stages: list[int], rounds: int, warmup: int, mb
         inside = {"on": 0.0, "cpu": 0.0}
         check = engines["on"].comm.agreement.check
 
-        def timed_check(*a, check=check, inside=inside):
+        def timed_check(*a, check=check, inside=inside, **kw):   # kw: finish()'s final=
             t0, c0 = time.perf_counter(), time.thread_time()
-            check(*a)
+            check(*a, **kw)
             inside["on"] += time.perf_counter() - t0
             inside["cpu"] += time.thread_time() - c0
         engines["on"].comm.agreement.check = timed_check
