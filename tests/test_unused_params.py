@@ -163,3 +163,22 @@ def test_the_leaf_to_suggest_is_the_innermost_module_where_the_ranks_parted():
     # No module but the model itself holds where they parted: say how to make one.
     assert "no common parent module other than the model itself" in leaf_suggestion(
         model, [asked("out", "inp", "out"), asked("mix.extra", "mix.extra")])
+
+
+def test_leaf_classes_may_be_named_as_in_deepspeed():
+    """DeepSpeed 0.19.8's set_z3_leaf_modules takes classes or their names (plain or module-qualified) and
+    raise_if_not_found; the same calls mark the same modules here as there."""
+    ds_set = pytest.importorskip("deepspeed.utils").set_z3_leaf_modules
+
+    for classes in ([Mixture], ["Mixture"], [f"{Mixture.__module__}.Mixture"]):
+        ours, theirs = Routed(), Routed()
+        marked = zeroedu.zero.set_z3_leaf_modules(ours, classes)
+        ds_set(theirs, classes)
+        assert [n for n, m in ours.named_modules() if getattr(m, "_z3_leaf", False)] == ["mix"]
+        assert [n for n, m in theirs.named_modules() if getattr(m, "_z3_leaf", False)] == ["mix"]
+        assert marked == [ours.mix]
+    assert zeroedu.zero.set_z3_leaf_modules(Routed(), ["Bilinear"], raise_if_not_found=False) == []
+    with pytest.raises(ValueError, match="no module of class Bilinear"):
+        zeroedu.zero.set_z3_leaf_modules(Routed(), ["Bilinear"])
+    with pytest.raises(TypeError, match="module classes or their names"):
+        zeroedu.zero.set_z3_leaf_modules(Routed(), [3])
