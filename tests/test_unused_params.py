@@ -5,6 +5,10 @@ find_unused_parameters), and equal-size buckets are never swapped between ranks.
 The probe behind issue 36 found stage 2 wrong by 0.02-0.055 after 1-3 steps: a rank whose expert got no gradient
 reduced that expert's bucket after backward, while the other rank reduced it during backward, so two buckets of
 equal size met each other's collective and gloo exchanged them without a word.
+
+Stage 3 gathers a module's parameters when it runs, so routing needs the routed modules inside a leaf
+(set_z3_leaf_modules, as in DeepSpeed); without one, zeroedu stops at the first gather where the ranks differ and
+names the leaf to mark, where gloo used to swap equal-size units silently or abort on unequal ones.
 """
 
 from __future__ import annotations
