@@ -155,16 +155,18 @@ def _drift_at_the_end(rank: int, world_size: int, how: str, save_dir: str | None
 
 
 # Stage 2: at stage 1 a step() with no backward() since the previous step fails on its own (no gradient shard).
-@pytest.mark.parametrize("how,stage,began", [("swap", 2, STEPS), ("late", 2, STEPS - 1)])
-def test_a_drift_in_the_last_steps_is_named_before_the_run_ends(how, stage, began):
+@pytest.mark.parametrize("how,stage,began,ops", [("swap", 2, STEPS, ("reduce_scatter", "all_gather")),
+                                                  ("late", 2, STEPS - 1, ("all_gather", "reduce_scatter"))])
+def test_a_drift_in_the_last_steps_is_named_before_the_run_ends(how, stage, began, ops):
     with pytest.raises(LaunchError) as err:
         launch(_drift_at_the_end, 2, args=(how, None, stage), hang_timeout=60)
     text = str(err.value)
     # Named at the step where the drift began (not the run's end), with the line where each rank's collectives part.
     assert "raised CollectiveDriftError: collective drift: rank(s) 1 " in text, text
     assert f"between optimizer steps {began - 1} and {began} " in text, text
-    assert re.search(r"They part at collective #\d since the previous check: rank 0 called \S+ .* from "
-                     r"test_agreement\.py:\d+; rank 1 called ", text), text
+    # Two ranks, no majority: what each called where they part, and from which line (backward() or step()'s).
+    assert re.search(rf"They part at collective #\d since the previous check: rank 0 called {ops[0]} [^;]* from "
+                     rf"test_agreement\.py:\d+; rank 1 called {ops[1]} [^;]* from test_agreement\.py:\d+\.", text), text
     if how == "swap":   # the final step's check: read only once fn returned, where every rank finishes its checks
         assert "in finish_all" in text, text
 
