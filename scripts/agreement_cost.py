@@ -34,12 +34,30 @@ def _rank(rank: int, world: int, stages: list[int], rounds: int, warmup: int, mb
         inside = {"on": 0.0, "cpu": 0.0}
         check = engines["on"].comm.agreement.check
 
-        def timed_check(*a, check=check, inside=inside):
+        def timed_check(*a, check=check, inside=inside, **kw):   # kw: finish()'s final=
             t0, c0 = time.perf_counter(), time.thread_time()
-            check(*a)
+            check(*a, **kw)
             inside["on"] += time.perf_counter() - t0
             inside["cpu"] += time.thread_time() - c0
         engines["on"].comm.agreement.check = timed_check
+        routing = getattr(getattr(engines["on"], "units", None), "routing", None)
+        if routing is not None:   # stage 3 also asks before every gather (zeroedu.engine.stages.routing)
+            inside.update(asks=0, ask_cpu=0.0, wait=0.0)
+            ask = routing.ask
+
+            def timed_ask(part, ask=ask, inside=inside):
+                c0 = time.thread_time()
+                answer = ask(part)
+                inside["asks"] += 1
+                inside["ask_cpu"] += time.thread_time() - c0
+
+                def timed_answer() -> None:   # on the comm thread, just before the gather
+                    t0, c1 = time.perf_counter(), time.thread_time()
+                    answer()
+                    inside["wait"] += time.perf_counter() - t0
+                    inside["ask_cpu"] += time.thread_time() - c1
+                return timed_answer
+            routing.ask = timed_ask
         times = {"on": [], "off": []}
         for r in range(warmup + rounds):
             x, y = work.batch(r, mb * world)
@@ -56,11 +74,13 @@ def _rank(rank: int, world: int, stages: list[int], rounds: int, warmup: int, mb
                 if r >= warmup:
                     times[name].append(float(t))
             if r == warmup - 1:
-                inside["on"] = inside["cpu"] = 0.0
+                inside.update({k: 0 for k in inside})
         ratio = math.exp(sum(math.log(a / b) for a, b in zip(times["on"], times["off"], strict=True)) / rounds)
         out[stage] = {"ratio": ratio, "on_ms": 1e3 * sorted(times["on"])[rounds // 2],
                       "off_ms": 1e3 * sorted(times["off"])[rounds // 2], "check_ms": 1e3 * inside["on"] / rounds,
-                      "check_cpu_ms": 1e3 * inside["cpu"] / rounds}
+                      "check_cpu_ms": 1e3 * inside["cpu"] / rounds, "asks": inside.get("asks", 0) / rounds,
+                      "ask_cpu_ms": 1e3 * inside.get("ask_cpu", 0.0) / rounds,
+                      "ask_wait_ms": 1e3 * inside.get("wait", 0.0) / rounds}
     return out
 
 
@@ -77,6 +97,10 @@ def main() -> None:
     for stage, r in res.items():
         print(f"{stage:>5}  {r['on_ms']:>27.2f}  {r['off_ms']:>7.2f}  {r['ratio']:>17.4f}  {r['check_ms']:.3f} ms, "
               f"{r['check_cpu_ms']:.3f} ms")
+    for stage, r in res.items():
+        if r["asks"]:
+            print(f"stage {stage}: {r['asks']:.0f} gathers asked about per step; CPU in the asks "
+                  f"{r['ask_cpu_ms']:.3f} ms, the comm thread's wait for the answers {r['ask_wait_ms']:.3f} ms")
 
 
 if __name__ == "__main__":

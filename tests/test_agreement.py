@@ -8,6 +8,7 @@ the rank that skipped, and shows every rank's call line.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 
@@ -67,6 +68,15 @@ def test_a_rank_that_skips_step_is_named_at_the_next_step(stage, model):
     assert time.monotonic() - t0 < 60
 
 
+def test_at_four_ranks_the_rank_that_skips_step_is_named_not_the_one_gloo_stopped():
+    """The probe: at 4 ranks, gloo's abort blamed rank 2, which did nothing wrong. A majority names rank 1."""
+    with pytest.raises(LaunchError) as err:
+        launch(_skip_one_step, 4, args=(1, "mlp", 2), hang_timeout=90)
+    text = str(err.value)
+    assert "rank(s) 1 " in text and "skipped engine.step()" in text, text
+    assert "rank 1 (differs)" in text and not re.search(r"rank [023] \(differs\)", text), text
+
+
 def _in_step(rank: int, world_size: int) -> None:
     engine, *_ = zeroedu.initialize(model=MLP(), config=_config(1, 2000))
     for _ in range(3):
@@ -115,3 +125,55 @@ def test_a_rank_that_swallows_an_exception_from_backward_is_named(stage):
         launch(_swallow_hook_error, 2, args=(stage,), hang_timeout=60)
     text = str(err.value)
     assert "rank(s) 1 " in text and "raise part-way" in text, text
+
+
+def _drift_at_the_end(rank: int, world_size: int, how: str, save_dir: str | None, stage: int = 1) -> int:
+    """Ranks that agree until the end: "swap" (rank 1 calls step() before backward() in the final step only) or
+    "late" (rank 1 skips step() in the next-to-last step and calls it twice in the last). The collectives' counts
+    and sizes still match (one bucket: the gradient reduce-scatter and the parameter all-gather move equal pieces),
+    so every collective completes and the run used to end without a word."""
+    torch.manual_seed(0)
+    engine, *_ = zeroedu.initialize(model=MLP(), config=_config(stage, 10**8))
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(2 * world_size, 32, generator=g)[rank * 2:(rank + 1) * 2]
+        loss = engine(x).square().mean()
+        odd = rank == 1
+        if odd and how == "swap" and step == STEPS - 1:
+            engine.step()
+            engine.backward(loss)
+            continue
+        engine.backward(loss)
+        if odd and how == "late" and step == STEPS - 2:
+            continue
+        engine.step()
+        if odd and how == "late" and step == STEPS - 1:
+            engine.step()
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir)
+    return STEPS
+
+
+# Stage 2: at stage 1 a step() with no backward() since the previous step fails on its own (no gradient shard).
+@pytest.mark.parametrize("how,stage,began,ops", [("swap", 2, STEPS, ("reduce_scatter", "all_gather")),
+                                                  ("late", 2, STEPS - 1, ("all_gather", "reduce_scatter"))])
+def test_a_drift_in_the_last_steps_is_named_before_the_run_ends(how, stage, began, ops):
+    with pytest.raises(LaunchError) as err:
+        launch(_drift_at_the_end, 2, args=(how, None, stage), hang_timeout=60)
+    text = str(err.value)
+    # Named at the step where the drift began (not the run's end), with the line where each rank's collectives part.
+    assert "raised CollectiveDriftError: collective drift: rank(s) 1 " in text, text
+    assert f"between optimizer steps {began - 1} and {began} " in text, text
+    # Two ranks, no majority: what each called where they part, and from which line (backward() or step()'s).
+    assert re.search(rf"They part at collective #\d since the previous check: rank 0 called {ops[0]} [^;]* from "
+                     rf"test_agreement\.py:\d+; rank 1 called {ops[1]} [^;]* from test_agreement\.py:\d+\.", text), text
+    if how == "swap":   # the final step's check: read only once fn returned, where every rank finishes its checks
+        assert "in finish_all" in text, text
+
+
+def test_a_drift_in_the_last_step_stops_the_checkpoint_save(tmp_path):
+    with pytest.raises(LaunchError) as err:
+        launch(_drift_at_the_end, 2, args=("swap", str(tmp_path), 2), hang_timeout=60)
+    text = str(err.value)
+    assert f"between optimizer steps {STEPS - 1} and {STEPS} " in text and "save_checkpoint" in text, text
+    assert not list(tmp_path.glob("global_step*")), list(tmp_path.iterdir())   # nothing saved of the drifted steps

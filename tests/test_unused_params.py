@@ -5,10 +5,15 @@ find_unused_parameters), and equal-size buckets are never swapped between ranks.
 The probe behind issue 36 found stage 2 wrong by 0.02-0.055 after 1-3 steps: a rank whose expert got no gradient
 reduced that expert's bucket after backward, while the other rank reduced it during backward, so two buckets of
 equal size met each other's collective and gloo exchanged them without a word.
+
+Stage 3 gathers a module's parameters when it runs, so routing needs the routed modules inside a leaf
+(set_z3_leaf_modules, as in DeepSpeed); without one, zeroedu stops at the first gather where the ranks differ and
+names the leaf to mark, where gloo used to swap equal-size units silently or abort on unequal ones.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 
 import cloudpickle
@@ -17,6 +22,7 @@ import torch
 import torch.nn as nn
 
 import zeroedu
+from zeroedu.launch import LaunchError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -27,24 +33,32 @@ MICRO = 3
 EXPERT = 16 * 16 + 16   # one expert's parameters: the bucket size, so each expert is a bucket of its own
 
 
+class Mixture(nn.Module):
+    """Three equal-size experts, of which `route` picks one, and a module used only when `extra` is set (on rank 1:
+    a rank-dependent module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.extra = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor, route: int, extra: bool) -> torch.Tensor:
+        h = torch.relu(self.experts[route](h))
+        return h + self.extra(h) if extra else h
+
+
 class Routed(nn.Module):
-    """A trunk, three equal-size experts, a head; `route` picks the expert. A fourth module is used on rank 1
-    only (a rank-dependent module)."""
+    """A trunk, the mixture, a head."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(8, 16)
-        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
-        self.extra = nn.Linear(16, 16)
+        self.mix = Mixture()
         self.out = nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor, route: int, extra: bool) -> torch.Tensor:
-        h = torch.relu(self.inp(x))
-        h = torch.relu(self.experts[route](h))
-        if extra:
-            h = h + self.extra(h)
-        return self.out(h)
+        return self.out(self.mix(torch.relu(self.inp(x)), route, extra))
 
 
 def route(rank: int, step: int) -> int:
@@ -57,8 +71,13 @@ def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(WORLD * MICRO, 8, generator=g), torch.randn(WORLD * MICRO, 4, generator=g)
 
 
-def _train(rank: int, world_size: int, stage: int) -> dict[str, torch.Tensor]:
-    engine, *_ = zeroedu.initialize(model=Routed(), config={
+def _train(rank: int, world_size: int, stage: int, leaf: bool = False,
+           routing=None) -> dict[str, torch.Tensor]:
+    routing = routing or (lambda rank, step: (route(rank, step), rank == 1))
+    model = Routed()
+    if leaf:
+        zeroedu.zero.set_z3_leaf_modules(model, [Mixture])
+    engine, *_ = zeroedu.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "Adam", "params": {"lr": LR}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": EXPERT,
@@ -66,7 +85,7 @@ def _train(rank: int, world_size: int, stage: int) -> dict[str, torch.Tensor]:
     for step in range(STEPS):
         x, y = data(step)
         mine = slice(rank * MICRO, (rank + 1) * MICRO)
-        out = engine(x[mine], route(rank, step), extra=rank == 1)
+        out = engine(x[mine], *routing(rank, step))
         engine.backward((out - y[mine]).square().mean())
         engine.step()
     return {k: v.clone() for k, v in engine.master_state_dict().items()}
@@ -93,18 +112,77 @@ def reference() -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-STAGE3_PENDING = pytest.mark.xfail(strict=True, reason=(
-    "stage 3 gathers a unit on the ranks whose forward uses it, so routing that differs between ranks makes their "
-    "gathers differ and gloo aborts; marking the routed modules as leaves (zeroedu.zero.set_z3_leaf_modules, as "
-    "in DeepSpeed) makes stage 3 train right (tests/test_stage3_routing.py); without it the error is gloo's"))
-
-
-@pytest.mark.parametrize("stage", [0, 1, 2, pytest.param(3, marks=STAGE3_PENDING)])
-def test_parameters_used_on_some_ranks_match_a_single_process(stage):
+@pytest.mark.parametrize("stage,leaf", [(0, False), (1, False), (2, False), (3, True)])
+def test_parameters_used_on_some_ranks_match_a_single_process(stage, leaf):
+    """Stages 0-2 as they are; stage 3 with the routed modules in a leaf (set_z3_leaf_modules), as in DeepSpeed."""
     ref = reference()
-    results = zeroedu.launch(_train, WORLD, args=(stage,), timeout=300)
+    results = zeroedu.launch(_train, WORLD, args=(stage, leaf), timeout=300)
     for rank, got in enumerate(results):
         assert got.keys() == ref.keys()
         for name in ref:
             err = (got[name] - ref[name]).abs().max().item()
             assert err < 1e-5, f"stage {stage}, rank {rank}, {name}: off by {err}"
+
+
+def _same_expert_extra_on_rank_1(rank: int, step: int) -> tuple[int, bool]:
+    return 0, rank == 1
+
+
+# Stage 3 without a leaf: each module's parameters are gathered when it runs, so ranks that run different modules
+# would gather different units in one collective. Equal sizes (two experts) were exchanged without a word, unequal
+# ones (the extra module against the head) made gloo abort with its own text; zeroedu stops before that gather.
+@pytest.mark.parametrize("routing,gather,mine,theirs", [
+    (None, 2, "mix.experts.0 (272 elements)", "mix.experts.1 (272 elements)"),
+    (_same_expert_extra_on_rank_1, 3, "out (68 elements)", "mix.extra (272 elements)"),
+], ids=["equal sizes", "unequal sizes"])
+def test_stage3_routing_without_a_leaf_is_named_before_the_gather(routing, gather, mine, theirs):
+    with pytest.raises(LaunchError) as err:
+        zeroedu.launch(_train, WORLD, args=(3, False, routing), timeout=300, hang_timeout=60)
+    text = str(err.value)
+    assert "raised RoutingDriftError: stage 3: the ranks were about to gather different parameters" in text, text
+    # The first forward, the first gather where the ranks part; each rank's modules, what ran them, from which line.
+    for rank, what in enumerate([mine, theirs]):
+        line = rf"rank {rank}: gather #{gather}: {re.escape(what)} for the forward of \S+, called from " \
+               r"test_unused_params\.py:\d+\n"
+        assert re.search(line, text), text
+    # The fix, with the class to mark: the innermost module with a forward that holds both.
+    assert "zeroedu.zero.set_z3_leaf_modules(model, [Mixture])" in text, text
+    assert "deepspeed.utils.set_z3_leaf_modules" in text
+    assert "Is there a distributed collective mismatch" not in text   # gloo's abort text: never reached
+
+
+def test_the_leaf_to_suggest_is_the_innermost_module_where_the_ranks_parted():
+    from zeroedu.engine.stages.routing import leaf_suggestion
+
+    model = Routed()
+
+    def asked(module: str, *entered: str) -> dict:
+        return {"modules": [module], "entered": ["the model", *entered]}
+    # Two experts of the mixture: the mixture (its ModuleList runs no hooks).
+    assert "[Mixture]" in leaf_suggestion(model, [asked("mix.experts.0", "inp", "mix.experts.0"),
+                                                  asked("mix.experts.2", "inp", "mix.experts.2")])
+    # One rank runs the mixture's extra module where the other has left the mixture for the head: the mixture.
+    assert "[Mixture]" in leaf_suggestion(model, [asked("out", "inp", "mix.experts.0", "out"),
+                                                  asked("mix.extra", "inp", "mix.experts.0", "mix.extra")])
+    # No module but the model itself holds where they parted: say how to make one.
+    assert "no common parent module other than the model itself" in leaf_suggestion(
+        model, [asked("out", "inp", "out"), asked("mix.extra", "mix.extra")])
+
+
+def test_leaf_classes_may_be_named_as_in_deepspeed():
+    """DeepSpeed 0.19.8's set_z3_leaf_modules takes classes or their names (plain or module-qualified) and
+    raise_if_not_found; the same calls mark the same modules here as there."""
+    ds_set = pytest.importorskip("deepspeed.utils").set_z3_leaf_modules
+
+    for classes in ([Mixture], ["Mixture"], [f"{Mixture.__module__}.Mixture"]):
+        ours, theirs = Routed(), Routed()
+        marked = zeroedu.zero.set_z3_leaf_modules(ours, classes)
+        ds_set(theirs, classes)
+        assert [n for n, m in ours.named_modules() if getattr(m, "_z3_leaf", False)] == ["mix"]
+        assert [n for n, m in theirs.named_modules() if getattr(m, "_z3_leaf", False)] == ["mix"]
+        assert marked == [ours.mix]
+    assert zeroedu.zero.set_z3_leaf_modules(Routed(), ["Bilinear"], raise_if_not_found=False) == []
+    with pytest.raises(ValueError, match="no module of class Bilinear"):
+        zeroedu.zero.set_z3_leaf_modules(Routed(), ["Bilinear"])
+    with pytest.raises(TypeError, match="module classes or their names"):
+        zeroedu.zero.set_z3_leaf_modules(Routed(), [3])

@@ -157,9 +157,11 @@ def adopt(engine) -> None:
             p.zero_shape, p.zero_partition = shape, unit
 
 
-def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list[type]) -> list[torch.nn.Module]:
+def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list[type | str],
+                        raise_if_not_found: bool = True) -> list[torch.nn.Module]:
     """Mark every module of these classes in `model` as a stage-3 leaf (DeepSpeed's
-    deepspeed.utils.set_z3_leaf_modules, the same `_z3_leaf` flag): call it before initialize().
+    deepspeed.utils.set_z3_leaf_modules, the same `_z3_leaf` flag and arguments): call it before initialize().
+    A class may be given as the class, or by name ("MoE" or "my_pkg.layers.MoE"), as DeepSpeed accepts.
 
     A leaf is gathered whole when it starts (every parameter inside it, as one unit) and the modules inside it get
     no hooks. Use it where the modules inside run differently from rank to rank, as a mixture of experts routes
@@ -167,10 +169,18 @@ def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list[type])
     no gradient there; when the leaf's backward ends, its missing gradients count as zero (as DeepSpeed's
     leaf hook does), so every rank reduces the leaf's unit at the same point. The leaf's input must require grad:
     that backward end is where the gradient reaches its input."""
-    classes = tuple(leaf_module_classes)
-    found = [m for m in model.modules() if isinstance(m, classes)]
-    if not found:
-        names = ", ".join(c.__name__ for c in classes)
+    bad = [c for c in leaf_module_classes if not isinstance(c, type | str)]
+    if bad:
+        raise TypeError(f"leaf_module_classes must hold module classes or their names, got {bad!r}")
+
+    def matches(m: torch.nn.Module, c: type | str) -> bool:
+        if isinstance(c, type):
+            return isinstance(m, c)
+        cls = type(m)
+        return c in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
+    found = [m for m in model.modules() if any(matches(m, c) for c in leaf_module_classes)]
+    if not found and raise_if_not_found:
+        names = ", ".join(c if isinstance(c, str) else c.__name__ for c in leaf_module_classes)
         raise ValueError(f"no module of class {names} in this model: pass the classes of modules it contains")
     for m in found:
         m._z3_leaf = True

@@ -136,6 +136,15 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     rank = engine.rank
     error = _make_partial(save_dir, partial) if rank == 0 else None
     _raise_first(_gather(engine, error), "save_checkpoint")
+    # No checkpoint of steps whose ranks drifted apart: the last steps' agreement checks are read first. Here, after
+    # the gather above, every rank is known to be saving (a rank that is not is named by launch() at that gather).
+    if getattr(engine.comm, "agreement", None) is not None:
+        try:
+            engine.comm.agreement.finish("save_checkpoint()")
+        except Exception:
+            if rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
 
     info: dict | None = None
     parts, error = None, None

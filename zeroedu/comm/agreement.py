@@ -20,6 +20,7 @@ import json
 import sys
 import zlib
 from collections import Counter, deque
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,21 @@ IN_FLIGHT = 2         # checks started and not yet read; at this many, the next 
 
 class CollectiveDriftError(RuntimeError):
     """The ranks ran different collectives between two optimizer steps."""
+
+
+# This process's agreements with checks left to read, oldest first (strong references: an engine is often gone
+# when fn returns, and its last checks still have to be read). finish() takes one off; its next check puts it back.
+_LIVE: list[Agreement] = []
+
+
+def finish_all(why: str) -> None:
+    """Finish every agreement of this process with checks left to read, oldest first (a launched rank, once fn has
+    returned): the checks of the run's last steps are read, so a drift there is raised instead of ending the run
+    in silence."""
+    if not dist.is_initialized():   # fn destroyed the process group itself: nothing can be checked any more
+        _LIVE.clear()
+    while _LIVE:
+        _LIVE[0].finish(why)
 
 
 def caller_line() -> str:
@@ -62,9 +78,12 @@ class Agreement:
         self.accum = 1           # ... and how many a step should have (gradient_accumulation_steps)
         self.where = ""          # the line that called the engine's current backward() or step()
         self.checks = 0
+        self.step = 0            # the optimizer step of the newest check
         self.recent: deque[tuple[int, str]] = deque(maxlen=_RECENT)
         self._pending: deque[tuple] = deque()   # (work, outputs) of the checks in flight, oldest first
         # watcher: the collectives' observer (zeroedu.comm.observe); inside launch() the launcher's rank context
+        if group is not None:
+            _LIVE.append(self)
         if watcher is not None and hasattr(watcher, "agreement"):   # inside launch(): the launcher's rank context,
             watcher.agreement = self.record                         # whose status slot the parent reads
 
@@ -78,30 +97,68 @@ class Agreement:
         """One collective entered, in this rank's order."""
         self.crc = zlib.crc32(sig.encode(), self.crc)
         self.count += 1
-        self.recent.append((self.count, sig))
+        # Shown with the line of the engine call that ran it (the CRC leaves it out: ranks may call from different
+        # lines and still agree).
+        shown = f"{sig} @ {self.where}" if self.where else sig
+        self.recent.append((self.count, shown))
         if len(self.shown) < _SHOWN:
-            self.shown.append(sig)
+            self.shown.append(shown)
 
-    def check(self, step: int, where: str) -> None:
-        """Called by every rank at each optimizer step: read the previous check, start this one."""
+    def check(self, step: int, where: str, final: str = "") -> None:
+        """Called by every rank at each optimizer step: read the previous check, start this one. `final`: not a step
+        but the end of what the run checks (finish())."""
         if self.group is None:
             return
         self.settle(wait=len(self._pending) >= IN_FLIGHT)
+        if not final and self not in _LIVE:   # finished before (a checkpoint save), and checked again since
+            _LIVE.append(self)
         self.where = where
         self.checks += 1
+        self.step = step
         summary = {"check": self.checks, "step": step, "n": self.count, "crc": self.crc,
-                   "backwards": self.backwards, "unfinished": self.unfinished, "where": where, "sigs": self.shown}
-        data = json.dumps(summary, separators=(",", ":")).encode()[:PAYLOAD_BYTES]
+                   "backwards": self.backwards, "unfinished": self.unfinished, "acc": self.accum, "where": where,
+                   "sigs": self.shown}
+        if final:
+            summary["final"] = final
+        self._pending.append(self._send(summary))
+        self.crc, self.count, self.shown, self.backwards, self.unfinished = 0, 0, [], 0, 0
+        self.recent.clear()
+
+    def _send(self, payload: dict) -> tuple:
+        """Start an all-gather of `payload` (JSON, zero-padded to PAYLOAD_BYTES) over the group; (work, outputs).
+        Every message on the group has that one size, so two ranks that send different kinds of message (one a
+        step's check, the other a stage-3 gather's) read each other's instead of making gloo abort."""
+        data = _encode(payload)
         mine = torch.zeros(PAYLOAD_BYTES, dtype=torch.uint8)
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         outs = [torch.empty_like(mine) for _ in self.ranks]
         # torch's own all_gather, not launch()'s watched one: this group is not part of the collective order the
         # launcher compares, and this check must never be counted (or reported) as one of the run's collectives.
         gather = getattr(dist.all_gather, "__wrapped__", dist.all_gather)
-        work = gather(outs, mine, group=self.group, async_op=True)
-        self._pending.append((work, outs))
-        self.crc, self.count, self.shown, self.backwards, self.unfinished = 0, 0, [], 0, 0
-        self.recent.clear()
+        return gather(outs, mine, group=self.group, async_op=True), outs
+
+    def ask(self, payload: dict) -> Callable[[], list[dict]]:
+        """Start sending `payload` to every rank now, in this rank's order of messages on the group, and return the
+        function that waits for the answers: every rank's payload, in rank order. Stage 3 asks before each gather
+        (which units?), so that ranks about to gather different units find out before the gather starts."""
+        work, outs = self._send(payload)
+
+        def answers() -> list[dict]:
+            work.wait()
+            return [_decode(t) for t in outs]
+        return answers
+
+    def finish(self, why: str) -> None:
+        """Check what ran since the last optimizer step, then read every check still in flight: a drift in the run's
+        last steps is raised here, before the run ends (launch(), at fn's return) or a checkpoint is saved, instead
+        of never. Every rank must call it at the same point (both places are)."""
+        if self.group is None:
+            return
+        if self in _LIVE:
+            _LIVE.remove(self)
+        self.check(self.step, caller_line() or self.where, final=why)
+        while self._pending:
+            self.settle(wait=True)
 
     def settle(self, wait: bool = True) -> None:
         """Read the checks in flight that have completed (wait: the oldest one even if it has not yet), and raise
@@ -111,10 +168,28 @@ class Agreement:
             work, outs = self._pending.popleft()
             work.wait()
             wait = False
-            got = [json.loads(bytes(t.numpy()).rstrip(b"\0") or b"{}") for t in outs]
+            got = [_decode(t) for t in outs]
             if len({(g.get("n"), g.get("crc")) for g in got}) > 1:
                 self._pending.clear()
                 raise CollectiveDriftError(drift_message(got, list(self.ranks)))
+
+
+def _encode(payload: dict) -> bytes:
+    """The payload as JSON of at most PAYLOAD_BYTES: what does not fit goes from its lists (the shown signatures,
+    module names: the message shows fewer of them), never from the fields compared."""
+    payload = dict(payload)
+    while len(data := json.dumps(payload, separators=(",", ":")).encode()) > PAYLOAD_BYTES:
+        lists = [k for k, v in payload.items() if isinstance(v, list) and v]
+        if not lists:   # nothing left to shorten: strings only (a very long call line)
+            payload = {k: v[:64] if isinstance(v, str) else v for k, v in payload.items()}
+            continue
+        longest = max(lists, key=lambda k: len(json.dumps(payload[k])))
+        payload[longest] = payload[longest][:-1]
+    return data
+
+
+def _decode(t: torch.Tensor) -> dict:
+    return json.loads(bytes(t.numpy()).rstrip(b"\0") or b"{}")
 
 
 UNFINISHED = ("An engine.backward() raised part-way (an exception in autograd or a backward hook) and the "
@@ -130,18 +205,24 @@ def drift_message(got: list[dict], ranks: list[int]) -> str:
     if broken and len(broken) < len(ranks):
         odd = broken
     elif len(top) > 1 and top[0][1] == top[1][1]:   # no majority (two ranks): name whoever called backward() more
-        # or less often than step() allows, else every rank
-        odd = [r for r, g in zip(ranks, got, strict=True) if g.get("backwards") != min(x.get("backwards", 0)
-                                                                                        for x in got)]
-        odd = odd or ranks
+        # or less often than a step has (gradient_accumulation_steps), else every rank; parting() shows where
+        odd = [r for r, g in zip(ranks, got, strict=True) if "gather" in g or g.get("backwards") != g.get("acc", 1)]
+        odd = odd if 0 < len(odd) < len(ranks) else ranks
     else:
         odd = [r for r, g in zip(ranks, got, strict=True) if (g.get("n"), g.get("crc")) != top[0][0]]
     first = got[0]
     lines = []
     for r, g in zip(ranks, got, strict=True):
+        if "gather" in g:   # its message on the group was a stage-3 gather's question (zeroedu.engine.stages.routing)
+            lines.append(f"  rank {r}{' (differs)' if r in odd else ''}: not at an optimizer step: it was about to "
+                         f"gather {', '.join(g.get('modules', []))} for the {g.get('for')}"
+                         f"{f' (called from {at})' if (at := g.get('at')) else ''}")
+            continue
         sigs = "; ".join(g.get("sigs", []))
         more = g.get("n", 0) - len(g.get("sigs", []))
-        lines.append(f"  rank {r}{' (differs)' if r in odd else ''}: optimizer step {g.get('step')} called at "
+        at = (f"{g['final']}, after optimizer step {g.get('step')}, at" if g.get("final") else
+              f"optimizer step {g.get('step')} called at")
+        lines.append(f"  rank {r}{' (differs)' if r in odd else ''}: {at} "
                      f"{g.get('where') or 'an unknown line'}; since the previous step it ran {g.get('backwards')} "
                      f"backward(){f' ({u} raised part-way)' if (u := g.get('unfinished')) else ''} and "
                      f"{g.get('n')} collectives: {sigs}{f' (+{more} more)' if more > 0 else ''}")
@@ -153,7 +234,30 @@ def drift_message(got: list[dict], ranks: list[int]) -> str:
             "Every rank must run the same collectives in the same order: the same model code path with the same "
             "parameters getting gradients, the same engine calls, and no exception swallowed half-way through a "
             "backward.")
+    when = (f"after optimizer step {first.get('step')}, found at {first['final']}" if all(g.get("final") for g in got)
+            else f"between optimizer steps {first.get('step', 1) - 1} and {first.get('step')}")
+    lines.append(parting(got, ranks))
     return (f"collective drift: rank(s) {', '.join(map(str, odd))} ran a different sequence of collectives "
-            f"from the other ranks between optimizer steps {first.get('step', 1) - 1} and {first.get('step')} "
-            f"(check #{first.get('check')}); gloo matched them by size alone, so tensors went to the wrong places. "
-            f"Stopped here instead of training on.\n" + "\n".join(lines) + "\n" + hint)
+            f"from the other ranks {when} (check #{first.get('check')}); gloo matched them by size alone, so "
+            f"tensors went to the wrong places. "
+            f"Stopped here instead of training on.\n" + "\n".join(filter(None, lines)) + "\n" + hint)
+
+
+def parting(got: list[dict], ranks: list[int]) -> str:
+    """Where the ranks' collectives since the previous check first differ: what each rank called there, and from
+    which line (the engine call that ran it). "" if the shown ones agree (the drift lies past them)."""
+    seqs = [[sig for sig in g.get("sigs", [])] if "gather" not in g else None for g in got]
+    if any(seq is None for seq in seqs):
+        return ""
+    bare = [[sig.split(" @ ", 1)[0] for sig in seq] for seq in seqs]
+    for i in range(max(map(len, seqs))):
+        if any(i >= len(seq) and g.get("n", 0) > len(seq) for seq, g in zip(seqs, got, strict=True)):
+            return ""   # a rank's list was cut here: what it ran next is not in its message
+        here = {b[i] if i < len(b) else None for b in bare}
+        if len(here) > 1:
+            what = "; ".join(f"rank {r} called {seq[i].replace(' @ ', ' from ')}" if i < len(seq) else
+                             f"rank {r} called no more collectives before its check (at "
+                             f"{g.get('where') or 'an unknown line'})"
+                             for r, seq, g in zip(ranks, seqs, got, strict=True))
+            return f"  They part at collective #{i + 1} since the previous check: {what}."
+    return ""

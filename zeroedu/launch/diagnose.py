@@ -407,7 +407,7 @@ def sequence_note(views: list[View], failure: str) -> str:
     its slot), naming the rank(s) whose sequence differs from the others'. gloo kills whichever rank first sees
     the mismatched message, which is as often the rank that did nothing wrong."""
     recs = {v.rank: v.state["a"] for v in views if v.state and isinstance(v.state.get("a"), dict)}
-    if len(recs) < 2:
+    if len(recs) < 2 or "DriftError: " in failure:   # the agreement check's own error already compares the ranks
         return ""
     odd, why = _odd_ranks(recs)
     if not odd and not why and "gloo" not in failure and "mismatch" not in failure:
@@ -439,13 +439,15 @@ def _odd_ranks(recs: dict[int, dict]) -> tuple[list[int], str]:
     by_rank = {r: {(a["c"], i): sig for i, sig in a.get("r", [])} for r, a in recs.items()}
     common = set.intersection(*(set(d) for d in by_rank.values()))
     for at in sorted(common):
-        sigs = {r: d[at] for r, d in by_rank.items()}
+        shown = {r: d[at] for r, d in by_rank.items()}
+        sigs = {r: sig.split(" @ ", 1)[0] for r, sig in shown.items()}   # " @ file:line": the call, not compared
         votes = Counter(sigs.values()).most_common()
         if len(votes) > 1 and votes[0][1] > votes[1][1]:
             odd = [r for r, sig in sigs.items() if sig != votes[0][0]]
-            return odd, (f"ran {', '.join(sorted({sigs[r] for r in odd}))} as collective #{at[1]} after "
+            return odd, (f"ran {', '.join(sorted({shown[r] for r in odd}))} as collective #{at[1]} after "
                          f"{at[0]} optimizer steps, where the others ran {votes[0][0]}")
-        if len(votes) > 1:   # no majority (two ranks): say where they part, name no one
+        if len(votes) > 1:   # no majority (two ranks): say where they part, and what each called from where
             return [], (f" from collective #{at[1]} after {at[0]} optimizer steps on ("
-                        + "; ".join(f"rank {r}: {sig}" for r, sig in sorted(sigs.items())) + ")")
+                        + "; ".join(f"rank {r} called {sig.replace(' @ ', ' from ')}" for r, sig in
+                                    sorted(shown.items())) + ")")
     return [], ""

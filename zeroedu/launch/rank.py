@@ -32,6 +32,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from zeroedu.comm.agreement import finish_all
 from zeroedu.launch.status import RankContext, Slots, start_reporting, watch_torch_distributed
 
 KILL_GRACE = 3.0            # seconds between SIGTERM and SIGKILL when stopping ranks (their exit handlers run)
@@ -162,6 +163,8 @@ def rank_main(rank: int, world_size: int, port: int, backend: str, conn: Connect
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kw)
         ctx.set("running")
         result = fn(rank, world_size, *args, **kwargs)
+        ctx.set("returned")   # fn is done: what follows waits only for the other ranks' last agreement checks
+        finish_all("the end of launch()'s fn")   # a drift in the last steps is raised here (zeroedu.comm.agreement)
         try:
             data = dumps_by_value(result)
         except Exception as e:

@@ -85,15 +85,18 @@ class GradBuckets:
             self.deferred = None
             self.send(buckets, bufs, slot)
 
-    def reduce_with_gather(self, part: list, bufs: list[torch.Tensor]):
+    def reduce_with_gather(self, part: list, bufs: list[torch.Tensor], before: Callable[[], None] | None = None):
         """One job for the waiting reduce-scatter and the plain gather of `part`, in one round (Comm.together);
-        both wait for its handle: take_bucket_slot for the bucket's slot, fetch() for the units."""
+        both wait for its handle: take_bucket_slot for the bucket's slot, fetch() for the units. `before` runs
+        first in the job (stage 3's check that every rank gathers the same units: it raises instead)."""
         e = self.engine
         buckets, grads, slot = self.deferred
         self.deferred = None
         outs = [e.grad_out(b) for b in buckets]
 
         def job() -> None:
+            if before is not None:
+                before()
             reduced = [torch.empty_like(out, dtype=grads[0].dtype) for out in outs]
             e.comm.together([("reduce_scatter", reduced, grads, "grads", True),
                              ("all_gather", bufs, [e.param_piece(b) for b in part], "params", False)])

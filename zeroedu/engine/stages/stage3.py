@@ -30,7 +30,9 @@ once for the two, the bytes and the ledger's entries are those of the two collec
 The parts: this file is the stage (its layout, shard, hooks and step); the units' states, fetch, release,
 prefetch, the live limit and the reuse distance are one coordinator (zeroedu/engine/stages/units.py, UnitCoordinator),
 with a pluggable source of *how* a unit is gathered (GatherSource: ZeRO++ and offload change only that); the
-gradient buckets are zeroedu/engine/stages/grad_buckets.py (GradBuckets).
+gradient buckets are zeroedu/engine/stages/grad_buckets.py (GradBuckets). Before each gather the ranks check that
+they gather the same units (zeroedu/engine/stages/routing.py): modules that run differently on different ranks
+(routed experts) are named there, with the leaf to mark (zeroedu.zero.set_z3_leaf_modules), before gloo pairs them.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import torch
 
+from zeroedu.engine.stages.routing import RoutingCheck
+
 
 class UnitState(enum.Enum):
     """Where a unit is in its life, as FSDP2's sharded / unsharded states."""
@@ -105,6 +107,7 @@ class UnitCoordinator:
         self.inflight: dict[int, tuple] = {}             # unit -> (handle, buffer), while GATHERING
         self.trace = ForwardTrace()
         self.reused: set[int] = set()   # units kept gathered from forward to backward (set when the trace is done)
+        self.routing = RoutingCheck(engine)
 
     # -- the state machine --------------------------------------------------------------------------------------
     def state(self, u: int) -> UnitState:
@@ -151,10 +154,14 @@ class UnitCoordinator:
                 if not part:
                     continue
                 bufs = [self.buffer(b) for b in part]
+                agreed = self.routing.ask(part)   # the ranks gather the same units here? (read before the gather)
                 if grads.deferred is not None and self.source.fusable:
-                    handle = grads.reduce_with_gather(part, bufs)
+                    handle = grads.reduce_with_gather(part, bufs, before=agreed)
                 else:
-                    handle = e.overlap(lambda part=part, bufs=bufs, fill=fill: fill(part, bufs), prefetch=True)
+                    def job(part=part, bufs=bufs, fill=fill, agreed=agreed) -> None:
+                        agreed()
+                        fill(part, bufs)
+                    handle = e.overlap(job, prefetch=True)
                 for b, buf in zip(part, bufs, strict=True):
                     self.inflight[b.index] = (handle, buf)
 
@@ -215,10 +222,12 @@ class UnitCoordinator:
     def pre_forward(self, m: torch.nn.Module, recomputing: bool) -> None:
         e = self.engine
         if recomputing:   # activation checkpointing runs m again in backward: gather, leave the trace alone
+            self.routing.now = ("recomputed forward", m)
             for u in self.units_of[m]:
                 e.fetch(u)
             return
         i = self.trace.enter(m)
+        self.routing.enter(m, i)
         for u in self.units_of[m]:
             e.fetch(u)
         if i == 0:
@@ -249,6 +258,7 @@ class UnitCoordinator:
 
     def pre_backward(self, m: torch.nn.Module, i: int | None) -> None:
         e = self.engine
+        self.routing.now = ("backward", m)
         for u in self.units_of[m]:
             if u not in e.backward_done:     # reduced already: this module's backward is over
                 e.fetch(u)
@@ -258,6 +268,7 @@ class UnitCoordinator:
 
     def end_backward(self) -> None:
         e = self.engine
+        self.routing.now = ("end of backward", None)
         for u in list(self.inflight):        # a prefetch nobody used
             e.fetch(u)
         for u in list(self.gathered):
