@@ -293,9 +293,9 @@ def figure(runs: Mapping[str, Sequence[Frame]], title: str = "Who holds what", u
                             fontsize=7)
         ax.set_title(name)
         ax.set_yticks(range(len(frames)), [f"rank {f.rank}" for f in frames])
-        ax.invert_yaxis()
         ax.set_xlabel("MB")
         ax.grid(axis="x", alpha=0.3)
+    axes[0, 0].invert_yaxis()   # once: the panels share their y axis, so inverting each would undo it in pairs
     handles = [Patch(color=colors[c], label=c.replace("_", " ")) for c in CATEGORIES if c in used]
     handles.append(Patch(facecolor="white", edgecolor="grey", hatch="//", label="temporary"))
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 5), frameon=False, fontsize=8)
