@@ -60,10 +60,10 @@ def sentence_span(text: str, start: str, stop: str) -> tuple[int, int]:
 def render_en(entry: dict) -> str:
     s, load, cores, day = entry["seconds"], entry["load_average"], entry["cores"], entry["date"][:10]
     if entry["under_load"]:
-        return (f"{EN_START} about {s:.0f} s, measured under load (the whole notebook with nbclient on a {cores}-core "
-                f"CPU shared with other jobs, load average {load:.0f}, {day}); an idle machine is faster.")
-    return f"{EN_START} about {s:.0f} s (the whole notebook with nbclient on a {cores}-core CPU at load average " \
-           f"{load:.1f}, {day})."
+        return (f"{EN_START} about {s:.0f} s, measured on a {cores}-core CPU under load (the whole notebook with "
+                f"nbclient, load average {load:.0f} from other jobs, {day}); an idle machine is faster.")
+    return (f"{EN_START} about {s:.0f} s, measured on a {cores}-core CPU (the whole notebook with nbclient, load "
+            f"average {load:.1f}, {day}).")
 
 
 def render_zh(entry: dict) -> str:

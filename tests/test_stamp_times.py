@@ -77,8 +77,8 @@ def test_stamp_rewrites_only_the_time_sentence(tmp_path, monkeypatch):
         i, j = stamp_times.sentence_span(b.source, stamp_times.EN_START, ".")
         k, m = stamp_times.sentence_span(a.source, stamp_times.EN_START, ".")
         assert (b.source[:i], b.source[j:]) == (a.source[:k], a.source[m:])
-        assert a.source[k:m] == ("**Running time:** about 12 s, measured under load (the whole notebook with nbclient "
-                                 "on a 2-core CPU shared with other jobs, load average 7, 2026-12-06); an idle machine "
+        assert a.source[k:m] == ("**Running time:** about 12 s, measured on a 2-core CPU under load (the whole "
+                                 "notebook with nbclient, load average 7 from other jobs, 2026-12-06); an idle machine "
                                  "is faster.")
     zh = nbformat.read(root / "zh" / english.name, as_version=4)
     assert "**运行时间：** 约 12 s，有负载时测得（2026-12-06，2 核 CPU 与其他任务共用、负载 7，" in \
