@@ -13,6 +13,7 @@ whose last digits depend on the CPU's vector kernels (a loss, say) as "≈4.8832
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -389,8 +390,12 @@ def scaling_plot(measured: Mapping[str, Mapping[int, float]], theory: Mapping[st
         (line,) = ax.plot(ns, [pts[n] / scale for n in ns], "o", color=c, ms=7, mfc="none", mew=2,
                           label=f"{label}: measured")
         line.set_gid("measured")
-    # a tick wherever a point or a curve is: curves that run past the last measured x keep their labels
-    ns = sorted({n for d in measured.values() for n in d} | {n for d in (theory or {}).values() for n in d})
+    # a tick at every measured x and at every power of 2 a curve reaches: curves drawn past the last measured x
+    # (07: to N = 64) keep labelled ticks, and a smooth curve's many x values do not each get one
+    xs = [n for d in measured.values() for n in d] + [n for d in (theory or {}).values() for n in d]
+    lo, hi = min(xs), max(xs)
+    powers = {2 ** k for k in range(math.floor(math.log2(lo)), math.ceil(math.log2(hi)) + 1) if lo <= 2 ** k <= hi}
+    ns = sorted({n for d in measured.values() for n in d} | powers)
     ax.set_xscale("log", base=2)
     ax.set_xticks(ns, [str(n) for n in ns])
     ax.minorticks_off()
