@@ -43,8 +43,8 @@ SERVER_START_S = 30.0
 UI_TIMEOUT_MS = 30_000        # kernel start + `import zeroedu` (torch) on a busy 2-core machine
 RUN_ALL_TIMEOUT_MS = 180_000  # the whole notebook from the page: ~12 s here; nbval took 84 s of wall time at load 16
 
-# the notebook's calculator: memory_calculator(psi=7e9, world_size=1, stage=0, precision="bf16")
-PSI, N_START, STAGE_START, N_TYPED = 7_000_000_000, 1, 0, 64
+# the notebook's calculator: memory_calculator(psi=7e9, world_size=8, stage=0, precision="bf16", ...)
+PSI, N_START, STAGE_START, N_TYPED = 7_000_000_000, 8, 0, 64
 TOTAL = re.compile(r"device\s+total\s+([\d,]+) B")
 
 

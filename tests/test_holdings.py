@@ -90,6 +90,10 @@ def test_figure_puts_stages_side_by_side(run):
     axes = fig.axes
     assert len(axes) == 4
     assert all(len(ax.get_yticks()) == n for ax in axes)
+    # rank 0 on top in every panel, whatever the number of panels (shared y: inverted once)
+    assert all(ax.yaxis_inverted() for ax in axes)
+    assert all(hd.figure({f"stage {s}": h.at(s, hd.AFTER_STEP) for s in range(k)}).axes[0].yaxis_inverted()
+               for k in (1, 2, 3))
     hatched = [p for ax in axes[2:] for p in ax.patches if p.get_hatch()]
     assert hatched and not [p for p in axes[0].patches if p.get_hatch()]
 

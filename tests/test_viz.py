@@ -160,6 +160,7 @@ def test_scaling_plot_points_and_curves():
     assert got["stage 3: measured"] == ([1, 2], [16, 8])
     assert got["stage 3: theory"] == ([1, 2, 4], [16, 8, 4])
     assert "stage 0: theory" not in got
+    assert list(ax.get_xticks()) == [1, 2, 4]      # the curve runs to 4: its x has a tick too (issue 31, notebook 07)
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("data-parallel ranks N", "bytes per rank (KiB)")
     other = viz.scaling_plot(measured, xlabel="gradient accumulation steps A", ylabel="bytes sent per step")
     assert (other.axes[0].get_xlabel(), other.axes[0].get_ylabel()) == ("gradient accumulation steps A",

@@ -10,6 +10,11 @@ import pytest
 from zeroedu import widgets
 
 pytestmark = pytest.mark.timeout(60)
+# The calculator's default activations for 7.5e9 parameters, worked out by hand: the GPT-style shape with
+# 12·L·h² = 7.5e9 and L = h/128 is h = 4352 (34 heads of 128), L = 33; with full recomputation and flash attention
+# backward's peak holds the L layer inputs (2sbh each) and one layer's 34sbh: (2 x 33 + 34) x 4096 x 1 x 4352.
+ACT_7_5B = 100 * 4096 * 4352
+WIDGET_DEFAULTS = {"seq_len": 4096, "micro_batch": 1, "recompute": "full", "gpu_gb": 80.0}
 
 
 def test_calculator_text_numbers():
@@ -32,10 +37,10 @@ def test_calculator_text_numbers():
 
 def test_memory_calculator_follows_its_controls():
     calc = widgets.memory_calculator(psi=7.5e9, world_size=64, stage=3)
-    assert calc.text == widgets.calculator_text(7.5e9, 64, 3, "bf16")
+    assert calc.text == widgets.calculator_text(7.5e9, 64, 3, "bf16", **WIDGET_DEFAULTS)
     calc.controls["stage"].value = 1
     calc.controls["world_size"].value = 8
-    want = widgets.calculator_text(7.5e9, 8, 1, "bf16")
+    want = widgets.calculator_text(7.5e9, 8, 1, "bf16", **WIDGET_DEFAULTS)
     assert calc.text == want and "stage 1" in calc.text
     # Stage 1 on 8 ranks: 4 x 7.5e9 + 12 x 7.5e9 / 8 = 41.25e9 bytes.
     assert "41,250,000,000 B" in calc.text
@@ -79,8 +84,10 @@ def test_calculator_chart_follows_its_controls():
     16 / 4 + 12/64 / 2 + 14/64 / 16/64 bytes per parameter (the ZeRO paper's Figure 1: 120 / 31.4 / 16.6 / 1.9)."""
     calc = widgets.memory_calculator(psi=7.5e9, world_size=64, stage=3)
     totals = {k: sum(v.values()) for k, v in calc.chart_data.items()}
-    assert totals == {"stage 0": 120_000_000_000, "stage 1": 31_406_250_000, "stage 2": 16_640_625_000,
-                      "stage 3 *": 1_875_000_000}
+    states = {"stage 0": 120_000_000_000, "stage 1": 31_406_250_000, "stage 2": 16_640_625_000,
+              "stage 3 *": 1_875_000_000}
+    assert totals == {k: v + ACT_7_5B for k, v in states.items()}     # every stage pays the same activations
+    assert all(bar["activations"] == ACT_7_5B for bar in calc.chart_data.values())
     assert calc.chart.value == calc.png and calc.png.startswith(b"\x89PNG")
     before = calc.png
     calc.controls["stage"].value = 1                      # the mark moves, the picture is redrawn
@@ -97,7 +104,8 @@ def test_calculator_chart_follows_its_controls():
 def test_widgets_have_a_one_line_static_repr():
     calc = widgets.memory_calculator(psi=7.5e9, world_size=64, stage=3)
     want = ("memory calculator: 7.5B parameters, N = 64, stage 3, bf16: 1.875 GB of model states per rank on the "
-            f"device, {3 * 63 * 15e9 / 64 / 1e9:.3f} GB sent per step")
+            f"device, {3 * 63 * 15e9 / 64 / 1e9:.3f} GB sent per step; with activations "
+            f"{(1.875e9 + ACT_7_5B) / 1e9:.3f} GB, fits in 80 GB")
     assert repr(calc) == want
     bundle = calc._repr_mimebundle_()
     data = bundle[0] if isinstance(bundle, tuple) else bundle
@@ -110,3 +118,17 @@ def test_widgets_have_a_one_line_static_repr():
     w.controls["gpus"].value = 12
     assert repr(w).startswith("planner: error: 12 GPUs are not whole nodes of 8")
     assert w._repr_mimebundle_()["text/plain"] == repr(w)
+
+
+def test_calculator_starts_at_8_ranks_with_activations_and_a_gpu():
+    """Issue 31: at N = 1 every stage is the same; the calculator starts at N = 8, with activations (recomputation
+    on) and a verdict against an 80 GB GPU, and the verdicts follow the closed forms."""
+    calc = widgets.memory_calculator(psi=7.5e9, stage=0)
+    assert calc.controls["world_size"].value == 8 and calc.controls["gpu_gb"].value == 80.0
+    assert "does NOT fit" in calc.text                     # stage 0: 16 x 7.5e9 = 120 GB of model states alone
+    calc.controls["stage"].value = 3                       # 120 GB / 8 = 15 GB + 1.78 GB of activations
+    assert "  on one GPU of 80 GB: fits" in calc.text and f"{ACT_7_5B:,} B" in calc.text
+    calc.controls["recompute"].value = "none"              # every layer keeps its 34sbh: 33 x 34 x 4096 x 4352
+    assert f"{33 * 34 * 4096 * 4352:,} B" in calc.text
+    calc.controls["seq_len"].value = 0                     # no sequence: no activation lines, no activation bars
+    assert "activations" not in calc.text and all("activations" not in b for b in calc.chart_data.values())

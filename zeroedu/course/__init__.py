@@ -2,8 +2,9 @@
 
 A notebook cell should show the idea (a config, a formula, a comparison) and not the plumbing around it. The
 plumbing lives here, once, and is tested (tests/test_course.py). One module per part of the course:
-zeroedu.course.basics (notebooks 00-07), .offload (05-10), .interview (13, 15) and .choosing (13); every
-name is also here:
+zeroedu.course.basics (notebooks 00-07), .offload (05-10), .interview (13, 15), .choosing (13), and the three
+ways of seeing a step: .holdings (who holds what, when), .traces (torch profiler's Chrome trace) and
+.memory_timeline (torch's memory snapshot); every name is also here:
 
     from zeroedu import course
     cfg = course.ds_config(stage=1, precision="bf16")              # a DeepSpeed-style config
@@ -52,6 +53,20 @@ from zeroedu.course.choosing import (
     slowest_rank_samples,
     time_ring_collectives,
 )
+from zeroedu.course.holdings import (
+    AFTER_GATHER,
+    AFTER_REDUCE,
+    AFTER_STEP,
+    END,
+    Frame,
+    Holding,
+    Holdings,
+    Stepper,
+    holdings_run,
+)
+from zeroedu.course.holdings import figure as holdings_figure
+from zeroedu.course.holdings import rows as holding_rows
+from zeroedu.course.holdings import strip as holdings_strip
 from zeroedu.course.interview import (
     BYTES_FORMULA,
     GRADES,
@@ -69,7 +84,10 @@ from zeroedu.course.interview import (
     korthikanti_activation_bytes,
     paper_example,
 )
+from zeroedu.course.memory_timeline import MemoryRun, replay_peak, save_snapshot, timeline_run
+from zeroedu.course.memory_timeline import plot as memory_plot
 from zeroedu.course.offload import cpu_adam_node_seconds, offload_config, offload_runs, paper_table1
+from zeroedu.course.traces import TraceRun, collective_events, exposed_comm, trace_run
 
 __all__ = [
     "DEEPSPEED_BUCKETS", "GLOBAL_BATCH", "LR", "STEPS", "compare_rows", "ds_config", "engine_summary",
@@ -80,4 +98,8 @@ __all__ = [
     "interview_four_ranks", "interview_two_ranks", "interview_evidence", "cpu_adam_rate",
     "korthikanti_activation_bytes", "time_ring_collectives", "calibrate_link", "ledger_of_one_step",
     "clock_and_ledger", "slowest_rank_samples", "GB", "RING_SWEEP", "GRADES", "SHARDED", "BYTES_FORMULA",
+    # seeing a step: who holds what (holdings), the profiler's trace (traces), torch's memory snapshot
+    "AFTER_GATHER", "AFTER_REDUCE", "AFTER_STEP", "END", "Frame", "Holding", "Holdings", "Stepper", "holdings_run",
+    "holdings_figure", "holding_rows", "holdings_strip", "MemoryRun", "replay_peak", "save_snapshot", "timeline_run",
+    "memory_plot", "TraceRun", "collective_events", "exposed_comm", "trace_run",
 ]

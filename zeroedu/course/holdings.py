@@ -35,6 +35,11 @@ END = "end of step"
 
 # The Chinese of these figures' words, added to zeroedu.i18n.figures' catalogue when this module loads.
 ZH_PHRASES = {"Who holds what": "谁持有什么", "Who holds what, moment by moment": "谁持有什么：逐时刻",
+              "Who holds what after the optimizer step": "优化器步之后谁持有什么",
+              "Who holds what during a stage-2 step": "stage 2 一步之中谁持有什么",
+              "Who holds what during a stage-3 step": "stage 3 一步之中谁持有什么",
+              "Who holds what, stages 0-3, after the optimizer step": "stage 0-3 优化器步之后谁持有什么",
+              "Who holds what with the optimizer offloaded": "优化器卸载后谁持有什么",
               "temporary": "临时（本步结束前释放）", "after forward": "前向之后", AFTER_REDUCE: "归约之后",
               AFTER_STEP: "优化器步之后", AFTER_GATHER: "all-gather 之后", END: "本步结束"}
 ZH_PATTERNS = [(r"^after forward of unit (\d+)$", r"unit \1 前向之后"), (r"^backward: bucket (\d+)$", r"反向：桶 \1"),
@@ -244,14 +249,15 @@ class Holdings:
 
 
 def holdings_run(configs: Mapping[str, Mapping], world_size: int = 2, steps: int = 2, watch_step: int = 1,
-                 **launch_kw) -> Holdings:
-    """Watch one step of each config on world_size ranks, in one launch."""
+                 global_batch: int = 8, model_cfg=None, **launch_kw) -> Holdings:
+    """Watch one step of each config on world_size ranks, in one launch (global_batch and model_cfg as
+    course.train's: the configs' micro-batches must split that global batch)."""
     import zeroedu
 
     if not 0 <= watch_step < steps:
         raise ValueError(f"watch_step={watch_step} is not one of the {steps} steps run (0 to {steps - 1})")
-    results = zeroedu.launch(holdings_rank, world_size=world_size, args=(dict(configs), steps, watch_step),
-                             **launch_kw)
+    results = zeroedu.launch(holdings_rank, world_size=world_size,
+                             args=(dict(configs), steps, watch_step, global_batch, model_cfg), **launch_kw)
     return Holdings({name: [r[name]["frames"] for r in results] for name in configs},
                     {name: results[0][name]["layout"] for name in configs},
                     {name: results[0][name]["units"] for name in configs})
@@ -287,9 +293,9 @@ def figure(runs: Mapping[str, Sequence[Frame]], title: str = "Who holds what", u
                             fontsize=7)
         ax.set_title(name)
         ax.set_yticks(range(len(frames)), [f"rank {f.rank}" for f in frames])
-        ax.invert_yaxis()
         ax.set_xlabel("MB")
         ax.grid(axis="x", alpha=0.3)
+    axes[0, 0].invert_yaxis()   # once: the panels share their y axis, so inverting each would undo it in pairs
     handles = [Patch(color=colors[c], label=c.replace("_", " ")) for c in CATEGORIES if c in used]
     handles.append(Patch(facecolor="white", edgecolor="grey", hatch="//", label="temporary"))
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 5), frameon=False, fontsize=8)

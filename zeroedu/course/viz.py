@@ -13,6 +13,7 @@ whose last digits depend on the CPU's vector kernels (a loss, say) as "≈4.8832
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -52,9 +53,11 @@ OP_COLORS: dict[str, str] = {
     "send": "#55A868",
     "recv": "#55A868",
 }
-PHASE_COLORS: dict[str, str] = {"forward": "#A1C9F4", "backward": "#FFB482", "step": "#8DE5A1", "init": "#D0BBFF",
-                                "other": "#CFCFCF"}
-BACKWARD_ALT = "#F7D2B4"   # every other per-bucket segment of backward, a lighter shade of its colour
+# Compute phases in pale hues of their own: no phase shares a colour family with a collective (issue 31: a blue
+# forward box next to a blue all-gather read as one thing).
+PHASE_COLORS: dict[str, str] = {"forward": "#BFE3DC", "backward": "#E9DDB8", "step": "#D9D9D9", "init": "#E6DDF2",
+                                "other": "#EFEFEF"}
+BACKWARD_ALT = "#D8C68F"   # every other per-bucket segment of backward, a darker shade of its colour
 THEORY_COLOR = "black"
 
 FIGSIZE = (7.5, 3.6)
@@ -365,7 +368,7 @@ def scaling_plot(measured: Mapping[str, Mapping[int, float]], theory: Mapping[st
                  ylabel: str = "bytes per rank", floors: Mapping[str, float] | None = None) -> Figure:
     """Measured points (one series per stage, {N: bytes}) over theory curves drawn as lines.
 
-    The x axis is log2 with a tick at every measured x; a linear y axis starts at 0, so heights compare as
+    The x axis is log2 with a tick at every measured or theory x; a linear y axis starts at 0, so heights compare as
     ratios. `xlabel`/`ylabel` name other sweeps (e.g. bytes sent per step against gradient accumulation steps).
     `floors` ({label: bytes}) draws dashed horizontal lines, e.g. the limits 4Psi and 2Psi that stages 1 and 2
     approach as N grows."""
@@ -387,7 +390,12 @@ def scaling_plot(measured: Mapping[str, Mapping[int, float]], theory: Mapping[st
         (line,) = ax.plot(ns, [pts[n] / scale for n in ns], "o", color=c, ms=7, mfc="none", mew=2,
                           label=f"{label}: measured")
         line.set_gid("measured")
-    ns = sorted({n for d in measured.values() for n in d})
+    # a tick at every measured x and at every power of 2 a curve reaches: curves drawn past the last measured x
+    # (07: to N = 64) keep labelled ticks, and a smooth curve's many x values do not each get one
+    xs = [n for d in measured.values() for n in d] + [n for d in (theory or {}).values() for n in d]
+    lo, hi = min(xs), max(xs)
+    powers = {2 ** k for k in range(math.floor(math.log2(lo)), math.ceil(math.log2(hi)) + 1) if lo <= 2 ** k <= hi}
+    ns = sorted({n for d in measured.values() for n in d} | powers)
     ax.set_xscale("log", base=2)
     ax.set_xticks(ns, [str(n) for n in ns])
     ax.minorticks_off()

@@ -52,7 +52,27 @@ LABELS_ZH = {
     "inter-node": "节点间互联",
     "micro-batch": "微批次",
     "sequence": "序列长度",
+    "recompute": "激活重计算",
 }
+
+# the chart's words in Chinese, added to zeroedu.i18n.figures' catalogue
+CHART_ZH = [(r"^([\d.]+)B parameters, N = (\d+), (\w+): bytes per rank \(\* = selected\)$",
+             r"\1B 参数，N = \2，\3：每卡字节数（* = 选中的 stage）"),
+            (r"^GPU memory: ([\d.]+) GB$", r"GPU 显存：\1 GB")]
+
+
+def gpt_shape(psi: float) -> tuple[int, int, int]:
+    """(hidden size h, layers L, heads) of a GPT-style model with about psi parameters, for the activation bar:
+    12·L·h² = psi with L = h/128 (about the aspect ratio of GPT-3 and Llama), h a multiple of 128, 128-wide heads."""
+    h = max(128, round((128 * psi / 12) ** (1 / 3) / 128) * 128)
+    return h, max(1, round(psi / (12 * h * h))), h // 128
+
+
+def activation_per_rank(psi: float, seq_len: int, micro_batch: int, recompute: str = "full") -> int:
+    """Activation bytes per rank at the peak of backward, 16-bit, flash attention (theory.activation_bytes, the
+    Korthikanti count) for gpt_shape(psi). ZeRO's data parallelism does not shard them: every stage pays them."""
+    h, layers, heads = gpt_shape(psi)
+    return theory.activation_bytes(int(seq_len), int(micro_batch), h, heads, layers, recompute, flash_attention=True)
 
 
 def _desc(label: str) -> str:
@@ -65,7 +85,8 @@ def _b(n: float) -> str:
 
 def calculator_text(psi: float, world_size: int, stage: int, precision: str = "bf16",
                     offload_optimizer: str = "none", offload_param: str = "none", grad_accum: int = 1,
-                    optimizer: str = "adam") -> str:
+                    optimizer: str = "adam", seq_len: int = 0, micro_batch: int = 1, recompute: str = "full",
+                    gpu_gb: float = 0.0) -> str:
     """Bytes per rank by tier and category, and bytes each rank sends per step, from zeroedu.theory."""
     try:
         psi, world_size, stage, grad_accum = int(round(psi)), int(world_size), int(stage), int(grad_accum)
@@ -89,6 +110,17 @@ def calculator_text(psi: float, world_size: int, stage: int, precision: str = "b
         paper = theory.model_state_bytes_paper(psi, world_size, stage, K=k) if precision != "fp32" else None
         if paper is not None:
             lines.append(f"  paper formula (unpadded, 2+2+K bytes/param):{_b(paper)}")
+    if seq_len:
+        h, layers, heads = gpt_shape(psi)
+        act = activation_per_rank(psi, seq_len, micro_batch, recompute)
+        both = tiers["device"]["total"] + act
+        lines += ["", f"activations per rank (a GPT-style shape: h = {h}, L = {layers}, {heads} heads; sequence "
+                      f"{seq_len}, micro-batch {micro_batch}, recompute {recompute}, flash attention):",
+                  f"  activations             {_b(act)}", f"  model states + activations{_b(both)}"]
+        if gpu_gb:
+            fits = "fits" if both <= gpu_gb * GB else "does NOT fit"
+            lines.append(f"  on one GPU of {gpu_gb:g} GB: {fits} ({both / (gpu_gb * GB):.0%} of it, before buffers "
+                         "and the allocator's fragmentation)")
     lines += ["", "bytes each rank sends per step (ring collectives, compute dtype):"]
     for key, v in comm.items():
         lines.append(f"  {key:<24}{_b(v)}")
@@ -110,12 +142,15 @@ def planner_text(**kwargs) -> str:
 
 def calculator_bars(psi: float, world_size: int, stage: int, precision: str = "bf16",
                     offload_optimizer: str = "none", offload_param: str = "none", grad_accum: int = 1,
-                    optimizer: str = "adam") -> dict[str, dict[str, int]]:
+                    optimizer: str = "adam", seq_len: int = 0, micro_batch: int = 1, recompute: str = "full",
+                    gpu_gb: float = 0.0) -> dict[str, dict[str, int]]:
     """What the calculator's chart draws: {bar: {category: bytes}} per rank, from zeroedu.theory.
 
     One bar per stage 0-3 on the device, with this offload where that stage allows it (the others without
-    offload, labelled so), then the selected stage's host and NVMe tiers if they hold anything."""
+    offload, labelled so), then the selected stage's host and NVMe tiers if they hold anything. With seq_len,
+    every device bar carries the activations too (the same at every stage)."""
     psi, world_size, stage = int(round(psi)), int(world_size), int(stage)
+    act = {"activations": activation_per_rank(psi, seq_len, micro_batch, recompute)} if seq_len else {}
     bars: dict[str, dict[str, int]] = {}
     for s in theory.STAGES:
         try:
@@ -126,7 +161,7 @@ def calculator_bars(psi: float, world_size: int, stage: int, precision: str = "b
             tiers = theory.offload_bytes(psi, world_size, s, precision, optimizer=optimizer)
             note = " (no offload)"
         mark = " *" if s == stage else ""
-        bars[f"stage {s}{note}{mark}"] = {c: tiers["device"][c] for c in theory.MODEL_STATES}
+        bars[f"stage {s}{note}{mark}"] = {c: tiers["device"][c] for c in theory.MODEL_STATES} | act
     try:
         tiers = theory.offload_bytes(psi, world_size, stage, precision, offload_optimizer, offload_param,
                                      optimizer=optimizer)
@@ -140,7 +175,8 @@ def calculator_bars(psi: float, world_size: int, stage: int, precision: str = "b
 
 def calculator_summary(psi: float, world_size: int, stage: int, precision: str = "bf16",
                        offload_optimizer: str = "none", offload_param: str = "none", grad_accum: int = 1,
-                       optimizer: str = "adam") -> str:
+                       optimizer: str = "adam", seq_len: int = 0, micro_batch: int = 1, recompute: str = "full",
+                       gpu_gb: float = 0.0) -> str:
     """One line: the calculator's inputs and its two headline numbers (the widget's static text)."""
     try:
         psi, world_size, stage = int(round(psi)), int(world_size), int(stage)
@@ -151,8 +187,14 @@ def calculator_summary(psi: float, world_size: int, stage: int, precision: str =
         return f"memory calculator: error: {e}"
     off = "" if offload_optimizer == offload_param == "none" else \
         f", offload optimizer {offload_optimizer} / params {offload_param}"
-    return (f"memory calculator: {psi / 1e9:g}B parameters, N = {world_size}, stage {stage}, {precision}{off}: "
+    line = (f"memory calculator: {psi / 1e9:g}B parameters, N = {world_size}, stage {stage}, {precision}{off}: "
             f"{dev / GB:.3f} GB of model states per rank on the device, {sent / GB:.3f} GB sent per step")
+    if seq_len:
+        both = dev + activation_per_rank(psi, seq_len, micro_batch, recompute)
+        line += f"; with activations {both / GB:.3f} GB"
+        if gpu_gb:
+            line += f", {'fits' if both <= gpu_gb * GB else 'does NOT fit'} in {gpu_gb:g} GB"
+    return line
 
 
 def planner_summary(**kwargs) -> str:
@@ -165,13 +207,23 @@ def planner_summary(**kwargs) -> str:
     return f"planner: {kwargs.get('model')} on {kwargs.get('gpus')} GPUs -> recommendation: {rec}"
 
 
-def _png(per_bar: dict[str, dict[str, int]], title: str) -> bytes:
+def _png(per_bar: dict[str, dict[str, int]], title: str, gpu_gb: float = 0.0) -> bytes:
+    import re
+
     import matplotlib.pyplot as plt
 
     from zeroedu.course import viz
+    from zeroedu.i18n import figures
+    from zeroedu.i18n.figures import localize
 
+    known = {p.pattern for p, _ in figures.PATTERNS}    # the chart's words, before the catalogue's catch-alls
+    figures.PATTERNS[:0] = [(re.compile(p), r) for p, r in CHART_ZH if p not in known]
     fig = viz.memory_bars(per_bar, title=title, unit="GB")
     ax = fig.axes[0]
+    if gpu_gb:   # the capacity line: a bar above it does not fit on one GPU
+        ax.axhline(gpu_gb, color="black", linestyle="--", linewidth=1, label=f"GPU memory: {gpu_gb:g} GB")
+        ax.legend(fontsize=8, loc="upper right", frameon=False)
+        localize(fig)
     for i, cats in enumerate(per_bar.values()):   # the total on top of each bar: small bars stay readable
         total = sum(cats.values()) / GB
         ax.text(i, total, f"{total:,.3g} GB", ha="center", va="bottom", fontsize=8)
@@ -214,7 +266,7 @@ class Calculator:
         if self.chart is not None:
             self.chart_data = self.bars(**values)
             title = self.chart_title(values) if self.chart_title else ""
-            self.png = _png(self.chart_data, title)
+            self.png = _png(self.chart_data, title, values.get("gpu_gb", 0.0))
             self.chart.value = self.png
 
     def __repr__(self) -> str:
@@ -233,9 +285,11 @@ def _style() -> dict:
     return {"style": {"description_width": "initial"}}
 
 
-def memory_calculator(psi: float = 7.5e9, world_size: int = 64, stage: int = 3, precision: str = "bf16",
-                      offload: str = "none", grad_accum: int = 1) -> Calculator:
-    """Model size (billions), N, stage, precision, offload -> bytes per rank and comm per step."""
+def memory_calculator(psi: float = 7.5e9, world_size: int = 8, stage: int = 3, precision: str = "bf16",
+                      offload: str = "none", grad_accum: int = 1, seq_len: int = 4096, micro_batch: int = 1,
+                      recompute: str = "full", gpu_gb: float = 80.0) -> Calculator:
+    """Model size (billions), N, stage, precision, offload, sequence, micro-batch, recomputation, GPU size ->
+    bytes per rank (model states and activations) against the GPU, and comm per step."""
     controls = {
         "billions": widgets.BoundedFloatText(value=psi / 1e9, min=1e-9, max=1e5, step=0.1,
                                              description=_desc("parameters (billions)"), **_style()),
@@ -249,6 +303,13 @@ def memory_calculator(psi: float = 7.5e9, world_size: int = 64, stage: int = 3, 
         "offload": widgets.Dropdown(options=list(OFFLOADS), value=offload, description=_desc("offload"), **_style()),
         "grad_accum": widgets.BoundedIntText(value=grad_accum, min=1, max=100_000,
                                              description=_desc("grad accumulation"), **_style()),
+        "seq_len": widgets.BoundedIntText(value=seq_len, min=0, max=10_000_000, description=_desc("sequence"),
+                                          **_style()),
+        "micro_batch": widgets.BoundedIntText(value=micro_batch, min=1, max=100_000, description=_desc("micro-batch"),
+                                              **_style()),
+        "recompute": widgets.Dropdown(options=["full", "none"], value=recompute, description=_desc("recompute"),
+                                      **_style()),
+        "gpu_gb": widgets.BoundedFloatText(value=gpu_gb, min=0, max=10_000, description=_desc("GPU GB"), **_style()),
     }
 
     def convert(kw: dict) -> dict:
@@ -257,7 +318,7 @@ def memory_calculator(psi: float = 7.5e9, world_size: int = 64, stage: int = 3, 
 
     def title(kw: dict) -> str:
         return (f"{kw['psi'] / 1e9:g}B parameters, N = {kw['world_size']}, {kw['precision']}: "
-                "model states per rank (* = selected)")
+                "bytes per rank (* = selected)")
 
     return Calculator(controls, calculator_text, convert, summary=calculator_summary, bars=calculator_bars,
                       chart_title=title)
