@@ -1171,3 +1171,81 @@ def test_a_rebound_harness_collector_returns_no_made_up_numbers(tmp_path):
     assert any("was replaced by code of yours" in n for n in r.notes) or "was replaced" in live.message, \
         (live.message, r.notes)
     assert r.points == _without("ex01_memory_formulas", "ex01-test-table1", "ex01-hidden-formulas", "ex01-test-live")
+
+
+# -- the wire: bytes the ranks report, cross-checked by the operating system from outside the sandbox -----------
+
+def test_the_wire_meter_reads_a_sandboxs_tcp_payload_from_outside(tmp_path):
+    """K bytes sent over a TCP socket inside a sandbox's own network namespace are counted, from the grader's
+    side, as K bytes (or more, never fewer): headers, handshakes and acknowledgements are not payload."""
+    if not SANDBOX_OK:
+        pytest.skip(SANDBOX_WHY)
+    from zeroedu.grading import wire
+
+    k = 1_000_003
+    script = ("import socket, sys\nprint('ready', flush=True); sys.stdin.readline()\n"
+              "srv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen(1)\n"
+              "cli = socket.create_connection(srv.getsockname()); conn, _ = srv.accept()\n"
+              f"cli.sendall(b'x' * {k}); cli.close()\n"
+              "got = 0\nwhile (b := conn.recv(1 << 20)):\n    got += len(b)\n"
+              "print('sent', got, flush=True); sys.stdin.readline()\n")
+    p = subprocess.Popen([shutil.which("bwrap"), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+                          "--unshare-net", "--unshare-pid", "--die-with-parent", "--", sys.executable, "-c", script],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        meter = wire.Meter(p.pid)
+        assert p.stdout.readline().strip() == "ready"
+        before = meter.read()
+        assert meter.pid is not None and meter.pid != p.pid and before == 0   # bwrap's child, in a fresh namespace
+        plain = subprocess.Popen(["sleep", "30"])
+        try:   # a process outside any sandbox is in the grader's own namespace: nothing to count
+            assert wire.Meter(plain.pid).read() is None
+        finally:
+            plain.kill()
+            plain.wait()
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().split() == ["sent", str(k)]
+        # Exact on a quiet machine; under load TCP may send a segment twice (a retransmission is payload sent
+        # again), which only ever adds: never fewer bytes than were sent.
+        assert k <= meter.read() - before <= k + k // 10
+        p.stdin.write("\n")
+        p.stdin.flush()
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert wire.claim_problem(k, k, "x", "y") is None and wire.claim_problem(5, None, "x", "y") is None
+    assert "only 4 bytes" in wire.claim_problem(5, 4, "your ring", "counted by SendCounter")
+
+
+@pytest.mark.timeout(900)
+def test_bytes_reported_by_rebound_collectives_or_a_forged_counter_score_0_next_to_honest_learners(tmp_path):
+    """Ranks that pass tensors through files while the ledger (ex04: torch.distributed rebound in every rank) or
+    SendCounter (ex02: bumped from the learner's code) reports a ring's bytes: the wire, counted by the operating
+    system outside the sandbox, saw none of them. Those tests score 0 with the reason; the honest learners graded
+    in the same run keep full marks."""
+    if not SANDBOX_OK:
+        pytest.skip(SANDBOX_WHY)
+    folder = tmp_path / "submissions"
+    make_submission("ex04_stage1_sharding", "wire/ex04_rebinds_dist.cells", folder / "rebinds")
+    make_submission("ex02_ring_collectives", "wire/ex02_fakes_counter.cells", folder / "counter")
+    make_submission("ex04_stage1_sharding", None, folder / "honest")
+    make_submission("ex02_ring_collectives", None, folder / "honest")
+    results = grader.grade([folder], SOLUTIONS, grader.Limits(cell_timeout=120), progress=False,
+                           options=_sandboxed([folder]), jobs=2)
+    by = {(r.learner, r.exercise): r for r in results}
+    for exercise in ("ex02_ring_collectives", "ex04_stage1_sharding"):
+        honest = by[("honest", exercise)]
+        assert honest.points == _full(exercise), [(t.grade_id, t.message[:300]) for t in honest.tests]
+    rebinds, counter = by[("rebinds", "ex04_stage1_sharding")], by[("counter", "ex02_ring_collectives")]
+    assert rebinds.points == _ex04_bounds(), [(t.grade_id, t.message[:300]) for t in rebinds.tests]
+    trains = _by_id(rebinds)["ex04-test-trains"].message
+    assert "their ledgers' collectives" in trains and "crossed between the processes" in trains, trains
+    assert counter.points == 0, [(t.grade_id, t.message[:300]) for t in counter.tests]
+    rs = _by_id(counter)["ex02-test-rs-sum"].message
+    assert "counted by SendCounter" in rs and "scores 0" in rs, rs
+    reported, crossed = (int(v) for v in re.findall(r"report (\d+) bytes sent .* only (\d+) bytes", rs)[0])
+    assert crossed < reported, rs
+
