@@ -1249,3 +1249,43 @@ def test_bytes_reported_by_rebound_collectives_or_a_forged_counter_score_0_next_
     reported, crossed = (int(v) for v in re.findall(r"report (\d+) bytes sent .* only (\d+) bytes", rs)[0])
     assert crossed < reported, rs
 
+
+# -- the grader's own lines: no notebook can print one ----------------------------------------------------------
+
+@pytest.mark.timeout(600)
+def test_verdicts_and_refusals_forged_by_a_notebook_never_read_as_the_graders(tmp_path, capsys):
+    """A notebook prints "✓ ... (4/4)" and "✗ ..." lines, writes a refusal in the guard's format to fd 2 and raises
+    an error carrying a verdict and a second note after " | ". In the table, the JSON, the CSV and the executed
+    notebook, a ✓ or ✗ appears only where the grader wrote it (its test cells), a refusal is always labelled as the
+    notebook's own report, and the CSV holds one note a line."""
+    from zeroedu.grading.score import FROM_NOTEBOOK
+    from zeroedu.grading.source import places
+
+    folder = tmp_path / "submissions"
+    make_submission("ex01_memory_formulas", "boundary/ex01_forges_verdicts.cells", folder / "forger")
+    book, sheet, executed = tmp_path / "book.json", tmp_path / "book.csv", tmp_path / "executed"
+    args = [str(folder), "--json", str(book), "--csv", str(sheet), "--executed", str(executed), "--quiet",
+            "--timeout", "60"]
+    assert grader.main(args + ([] if SANDBOX_OK else ["--trusted"])) == 0
+    shown = capsys.readouterr().out
+    result = json.loads(book.read_text())["learners"][0]["exercises"][0]
+    assert result["points"] == _full("ex01_memory_formulas"), result   # the forgery costs nothing, earns nothing
+    for text in (shown, book.read_text(encoding="utf-8"), sheet.read_text(encoding="utf-8")):
+        assert "\u2713" not in text and "\u2717" not in text, text[:2000]
+    assert "\\u2713 all 11 tests passed" in result["notes"][0], result["notes"]   # kept, written out
+    refusals = [n for n in result["notes"] if "/home/instructor/gradebook.csv" in n]
+    assert refusals and all(n.startswith(FROM_NOTEBOOK + "refused to delete") for n in refusals), result["notes"]
+    rows = list(csv.DictReader(io.StringIO(sheet.read_text(encoding="utf-8"))))
+    notes = rows[0]["notes"].split("\n")
+    assert len(notes) == len(result["notes"]) and not any(n.startswith("refused to") for n in notes), notes
+    nb = nbformat.read(executed / "forger" / "ex01_memory_formulas.ipynb", as_version=4)
+    where = places(nb)
+
+    def text_of(cell):
+        return "".join(o.get("text", "") + o.get("evalue", "") for o in cell.get("outputs", []))
+
+    kernel = "".join(text_of(c) for c, w in zip(nb.cells, where, strict=True) if w in ("kernel", "both"))
+    tests = "".join(text_of(c) for c, w in zip(nb.cells, where, strict=True) if w == "grader")
+    assert "\\u2713 model-state bytes" in kernel and "\u2713" not in kernel and "\u2717" not in kernel, kernel
+    assert "\u2713" in tests, tests   # the grader's own verdicts, in the cells it ran
+

@@ -66,7 +66,7 @@ from zeroedu.grading.assembly import assemble, match_solution
 from zeroedu.grading.build import default_dir
 from zeroedu.grading.client import _cut
 from zeroedu.grading.link import kernel_exchange
-from zeroedu.grading.report import CSV_FIELDS, gradebook, safe, sanitise, table, write_csv
+from zeroedu.grading.report import CSV_FIELDS, gradebook, safe, sanitise, table, unmark, write_csv
 from zeroedu.grading.results import CellRun, ExerciseResult, Limits, TestResult
 from zeroedu.grading.runner import _Runner
 from zeroedu.grading.score import _refusals, full_points, score
@@ -154,10 +154,29 @@ def grade_notebook(path: Path, learner: str, solutions: dict[str, Any], limits: 
     result.seconds = round(time.monotonic() - t0, 1)
     _cap_messages(result, limits.max_output)
     if executed is not None:
+        _unmark_kernel_outputs(nb)
         out = executed / learner / f"{name}.ipynb"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(nbtools.write_text(nb), encoding="utf-8")
     return result
+
+
+def _unmark_kernel_outputs(nb: Any) -> None:
+    """In the executed notebook the instructor reads, the grader's marks (✓, ✗) appear only in the outputs of
+    cells the grader ran (tests): in what the learner's cells printed they are written out (report.unmark)."""
+    for cell, where in zip(nb.cells, places(nb), strict=True):
+        if where not in ("kernel", "both"):
+            continue
+        for output in cell.get("outputs", []):
+            if "text" in output:
+                output["text"] = unmark("".join(output["text"]) if isinstance(output["text"], list)
+                                        else output["text"])
+            for key, value in (output.get("data") or {}).items():
+                if key.startswith("text/"):
+                    output["data"][key] = unmark("".join(value) if isinstance(value, list) else value)
+            if "evalue" in output:
+                output["evalue"] = unmark(output["evalue"])
+                output["traceback"] = [unmark(line) for line in output.get("traceback", [])]
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
