@@ -1289,3 +1289,48 @@ def test_verdicts_and_refusals_forged_by_a_notebook_never_read_as_the_graders(tm
     assert "\\u2713 model-state bytes" in kernel and "\u2713" not in kernel and "\u2717" not in kernel, kernel
     assert "\u2713" in tests, tests   # the grader's own verdicts, in the cells it ran
 
+
+# -- resource caps per sandbox ----------------------------------------------------------------------------------
+
+@pytest.mark.timeout(900)
+def test_a_fork_bomb_and_a_memory_hog_score_0_beside_an_honest_learner_who_keeps_full_marks(tmp_path):
+    """What this host can cap without cgroups, per sandbox: address space per process (RLIMIT_AS), processes of
+    the sandbox's own uid (RLIMIT_NPROC), CPU time per process. A fork bomb is refused at the sandbox's process
+    limit and a memory hog at its address-space limit; each answer cell fails, so each scores 0, while an honest
+    stage 1 (a kernel, a forkserver and 2-3 ranks with their threads) graded at the same time keeps full marks.
+    Where the host lets a root grader make cgroups (v1 memory and pids controllers, as here) a notebook's processes
+    together are capped too: four children of 768 MiB each, every one under the address-space limit, are stopped
+    by the notebook's 2.5 GiB. Elsewhere (cgroup v2 only) that part is skipped: it needs a delegated v2 subtree."""
+    if not SANDBOX_OK:
+        pytest.skip(SANDBOX_WHY)
+    folder = tmp_path / "submissions"
+    make_submission("ex01_memory_formulas", "hostile/ex01_fork_bomb.cells", folder / "forker")
+    make_submission("ex01_memory_formulas", "hostile/ex01_memory_hog.cells", folder / "hog")
+    cgroups = sandbox.Cgroup.make(f"zeroedu-test-{os.getpid()}", sandbox.Limits())
+    if cgroups is not None:   # this host lets the grader cap a notebook's processes together
+        cgroups.remove()
+        make_submission("ex01_memory_formulas", "hostile/ex01_spread_hog.cells", folder / "spread")
+    make_submission("ex04_stage1_sharding", None, folder / "neighbour")
+    options = _sandboxed([folder])
+    options.sandbox_limits = sandbox.Limits(memory=4 * 2**30, processes=200, cpu_seconds=900,
+                                            notebook_memory=5 * 2**29)
+    results = grader.grade([folder], SOLUTIONS, grader.Limits(cell_timeout=120), progress=False, options=options,
+                           jobs=2)
+    by = {r.learner: r for r in results if r.status == "graded"}   # each learner's one notebook
+    neighbour = by["neighbour"]
+    assert neighbour.points == _full("ex04_stage1_sharding"), [(t.grade_id, t.message[:300])
+                                                               for t in neighbour.tests]
+    forker, hog = by["forker"], by["hog"]
+    assert forker.points == 0 and hog.points == 0, (forker.notes, hog.notes)
+    refused = re.search(r"fork refused after (\d+) processes", " ".join(forker.notes))
+    assert refused and int(refused.group(1)) < 200, forker.notes   # the sandbox's limit, not the bound of 1000
+    # One process: its address-space limit raises MemoryError, unless the notebook's cgroup (2.5 GiB with the
+    # kernel's own memory) is reached first and its OOM killer ends the kernel.
+    assert any("MemoryError" in n or "the kernel died" in n for n in hog.notes), hog.notes
+    assert not any("no limit" in n for n in hog.notes), hog.notes
+    if cgroups is not None:
+        spread = by["spread"]
+        # the OOM killer ends the largest process of the notebook: a child (the cell then says so), or the kernel
+        assert spread.points == 0 and any("killed by signals [9" in n or "died" in n for n in spread.notes), \
+            spread.notes
+    assert not [p for p in Path("/sys/fs/cgroup/memory").glob(f"zeroedu-grade-{os.getpid()}-*")], "cgroups left"

@@ -130,11 +130,11 @@ def grade_notebook(path: Path, learner: str, solutions: dict[str, Any], limits: 
         nb.cells[i].metadata["zeroedu_grade"]["refused"] = _cut(why, limits.max_output)
     folders = [Path(tempfile.mkdtemp(prefix=p, dir=scratch)) for p in ("nb-", "grader-", "ipc-")]
     workdir, private, ipc = folders
+    box = None
     try:
         shutil.copyfile(path, workdir / Path(shown).name)
         blocks = solutions[name].metadata.get("zeroedu", {}).get("write_your_own", [])
         (private / "config.json").write_text(json.dumps({"blocks": blocks}), encoding="utf-8")
-        box = None
         if not options.trusted:
             box = sb.Sandbox(workdir, ipc, private / "config.json", options.hidden,
                              options.sandbox_limits or sb.Limits())
@@ -142,6 +142,8 @@ def grade_notebook(path: Path, learner: str, solutions: dict[str, Any], limits: 
         runner.run()
         refusals = _refusals(private)
     finally:   # the learner's copy goes as soon as its notebook is graded, whatever happened
+        if box is not None:
+            box.close()
         for folder in folders:
             remove_tree(folder)
     result.tests, notes = score(nb, runner.runs)
@@ -277,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run without the sandbox: only for your own notebooks on your own machine")
     parser.add_argument("--memory-gb", type=float, default=6.0,
                         help="address space per sandboxed process, GiB (default 6)")
+    parser.add_argument("--notebook-memory-gb", type=float, default=8.0,
+                        help="memory of a notebook's processes together, where the host lets the grader make a cgroup "
+                             "(default 8)")
     parser.add_argument("--max-processes", type=int, default=1024,
                         help="processes and threads in the sandboxes (default 1024)")
     parser.add_argument("--jobs", type=int, default=2, help="notebooks graded at once (default 2)")
@@ -301,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.quiet:
             print(f"zeroedu grade: {sb.cgroup_note()}", file=sys.stderr)
         options.sandbox_limits = sb.Limits(memory=int(args.memory_gb * 2**30), processes=args.max_processes,
-                                           cpu_seconds=int(2 * args.notebook_timeout + 600))
+                                           cpu_seconds=int(2 * args.notebook_timeout + 600),
+                                           notebook_memory=int(args.notebook_memory_gb * 2**30))
     limits = Limits(args.timeout, args.notebook_timeout, args.max_output)
     # Stopped from outside (timeout(1), a scheduler): unwind, so that scratch copies are removed.
     previous = signal.signal(signal.SIGTERM, _exit_on_signal)
