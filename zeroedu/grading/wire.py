@@ -10,9 +10,9 @@ only TCP traffic of an honest run is gloo's. The grader reads those counters fro
 (/proc/<pid>/net of a process in it) before and after each request it sends the kernel.
 
 What this proves: bytes the ranks say they sent that exceed what crossed the wire were not sent. What it cannot
-prove: that the bytes that did cross were the collectives the ledger names (on gloo a reduce-scatter costs on the
-wire what an all-reduce costs), or the number of calls; and a submission that sends padding over a socket of its
-own can make the wire look busier than it was.
+prove: that the bytes that did cross were the collectives the ledger names (the wire carries bytes, not names: a
+reduce-scatter and an all-gather move what one all-reduce moves), or the number of calls; and a submission that
+sends padding over a socket of its own can make the wire look busier than it was.
 """
 
 from __future__ import annotations
