@@ -1171,3 +1171,166 @@ def test_a_rebound_harness_collector_returns_no_made_up_numbers(tmp_path):
     assert any("was replaced by code of yours" in n for n in r.notes) or "was replaced" in live.message, \
         (live.message, r.notes)
     assert r.points == _without("ex01_memory_formulas", "ex01-test-table1", "ex01-hidden-formulas", "ex01-test-live")
+
+
+# -- the wire: bytes the ranks report, cross-checked by the operating system from outside the sandbox -----------
+
+def test_the_wire_meter_reads_a_sandboxs_tcp_payload_from_outside(tmp_path):
+    """K bytes sent over a TCP socket inside a sandbox's own network namespace are counted, from the grader's
+    side, as K bytes (or more, never fewer): headers, handshakes and acknowledgements are not payload."""
+    if not SANDBOX_OK:
+        pytest.skip(SANDBOX_WHY)
+    from zeroedu.grading import wire
+
+    k = 1_000_003
+    script = ("import socket, sys\nprint('ready', flush=True); sys.stdin.readline()\n"
+              "srv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen(1)\n"
+              "cli = socket.create_connection(srv.getsockname()); conn, _ = srv.accept()\n"
+              f"cli.sendall(b'x' * {k}); cli.close()\n"
+              "got = 0\nwhile (b := conn.recv(1 << 20)):\n    got += len(b)\n"
+              "print('sent', got, flush=True); sys.stdin.readline()\n")
+    p = subprocess.Popen([shutil.which("bwrap"), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+                          "--unshare-net", "--unshare-pid", "--die-with-parent", "--", sys.executable, "-c", script],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        meter = wire.Meter(p.pid)
+        assert p.stdout.readline().strip() == "ready"
+        before = meter.read()
+        assert meter.pid is not None and meter.pid != p.pid and before == 0   # bwrap's child, in a fresh namespace
+        plain = subprocess.Popen(["sleep", "30"])
+        try:   # a process outside any sandbox is in the grader's own namespace: nothing to count
+            assert wire.Meter(plain.pid).read() is None
+        finally:
+            plain.kill()
+            plain.wait()
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().split() == ["sent", str(k)]
+        # Exact on a quiet machine; under load TCP may send a segment twice (a retransmission is payload sent
+        # again), which only ever adds: never fewer bytes than were sent.
+        assert k <= meter.read() - before <= k + k // 10
+        p.stdin.write("\n")
+        p.stdin.flush()
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert wire.claim_problem(k, k, "x", "y") is None and wire.claim_problem(5, None, "x", "y") is None
+    assert "only 4 bytes" in wire.claim_problem(5, 4, "your ring", "counted by SendCounter")
+
+
+@pytest.mark.timeout(900)
+def test_bytes_reported_by_rebound_collectives_or_a_forged_counter_score_0_next_to_honest_learners(tmp_path):
+    """Ranks that pass tensors through files while the ledger (ex04: torch.distributed rebound in every rank) or
+    SendCounter (ex02: bumped from the learner's code) reports a ring's bytes: the wire, counted by the operating
+    system outside the sandbox, saw none of them. Those tests score 0 with the reason; the honest learners graded
+    in the same run keep full marks."""
+    if not SANDBOX_OK:
+        pytest.skip(SANDBOX_WHY)
+    folder = tmp_path / "submissions"
+    make_submission("ex04_stage1_sharding", "wire/ex04_rebinds_dist.cells", folder / "rebinds")
+    make_submission("ex02_ring_collectives", "wire/ex02_fakes_counter.cells", folder / "counter")
+    make_submission("ex04_stage1_sharding", None, folder / "honest")
+    make_submission("ex02_ring_collectives", None, folder / "honest")
+    results = grader.grade([folder], SOLUTIONS, grader.Limits(cell_timeout=120), progress=False,
+                           options=_sandboxed([folder]), jobs=2)
+    by = {(r.learner, r.exercise): r for r in results}
+    for exercise in ("ex02_ring_collectives", "ex04_stage1_sharding"):
+        honest = by[("honest", exercise)]
+        assert honest.points == _full(exercise), [(t.grade_id, t.message[:300]) for t in honest.tests]
+    rebinds, counter = by[("rebinds", "ex04_stage1_sharding")], by[("counter", "ex02_ring_collectives")]
+    assert rebinds.points == _ex04_bounds(), [(t.grade_id, t.message[:300]) for t in rebinds.tests]
+    trains = _by_id(rebinds)["ex04-test-trains"].message
+    assert "their ledgers' collectives" in trains and "crossed between the processes" in trains, trains
+    assert counter.points == 0, [(t.grade_id, t.message[:300]) for t in counter.tests]
+    rs = _by_id(counter)["ex02-test-rs-sum"].message
+    assert "counted by SendCounter" in rs and "scores 0" in rs, rs
+    reported, crossed = (int(v) for v in re.findall(r"report (\d+) bytes sent .* only (\d+) bytes", rs)[0])
+    assert crossed < reported, rs
+
+
+# -- the grader's own lines: no notebook can print one ----------------------------------------------------------
+
+@pytest.mark.timeout(600)
+def test_verdicts_and_refusals_forged_by_a_notebook_never_read_as_the_graders(tmp_path, capsys):
+    """A notebook prints "✓ ... (4/4)" and "✗ ..." lines, writes a refusal in the guard's format to fd 2 and raises
+    an error carrying a verdict and a second note after " | ". In the table, the JSON, the CSV and the executed
+    notebook, a ✓ or ✗ appears only where the grader wrote it (its test cells), a refusal is always labelled as the
+    notebook's own report, and the CSV holds one note a line."""
+    from zeroedu.grading.score import FROM_NOTEBOOK
+    from zeroedu.grading.source import places
+
+    folder = tmp_path / "submissions"
+    make_submission("ex01_memory_formulas", "boundary/ex01_forges_verdicts.cells", folder / "forger")
+    book, sheet, executed = tmp_path / "book.json", tmp_path / "book.csv", tmp_path / "executed"
+    args = [str(folder), "--json", str(book), "--csv", str(sheet), "--executed", str(executed), "--quiet",
+            "--timeout", "60"]
+    assert grader.main(args + ([] if SANDBOX_OK else ["--trusted"])) == 0
+    shown = capsys.readouterr().out
+    result = json.loads(book.read_text())["learners"][0]["exercises"][0]
+    assert result["points"] == _full("ex01_memory_formulas"), result   # the forgery costs nothing, earns nothing
+    for text in (shown, book.read_text(encoding="utf-8"), sheet.read_text(encoding="utf-8")):
+        assert "\u2713" not in text and "\u2717" not in text, text[:2000]
+    assert "\\u2713 all 11 tests passed" in result["notes"][0], result["notes"]   # kept, written out
+    refusals = [n for n in result["notes"] if "/home/instructor/gradebook.csv" in n]
+    assert refusals and all(n.startswith(FROM_NOTEBOOK + "refused to delete") for n in refusals), result["notes"]
+    rows = list(csv.DictReader(io.StringIO(sheet.read_text(encoding="utf-8"))))
+    notes = rows[0]["notes"].split("\n")
+    assert len(notes) == len(result["notes"]) and not any(n.startswith("refused to") for n in notes), notes
+    nb = nbformat.read(executed / "forger" / "ex01_memory_formulas.ipynb", as_version=4)
+    where = places(nb)
+
+    def text_of(cell):
+        return "".join(o.get("text", "") + o.get("evalue", "") for o in cell.get("outputs", []))
+
+    kernel = "".join(text_of(c) for c, w in zip(nb.cells, where, strict=True) if w in ("kernel", "both"))
+    tests = "".join(text_of(c) for c, w in zip(nb.cells, where, strict=True) if w == "grader")
+    assert "\\u2713 model-state bytes" in kernel and "\u2713" not in kernel and "\u2717" not in kernel, kernel
+    assert "\u2713" in tests, tests   # the grader's own verdicts, in the cells it ran
+
+
+# -- resource caps per sandbox ----------------------------------------------------------------------------------
+
+@pytest.mark.timeout(900)
+def test_a_fork_bomb_and_a_memory_hog_score_0_beside_an_honest_learner_who_keeps_full_marks(tmp_path):
+    """What this host can cap without cgroups, per sandbox: address space per process (RLIMIT_AS), processes of
+    the sandbox's own uid (RLIMIT_NPROC), CPU time per process. A fork bomb is refused at the sandbox's process
+    limit and a memory hog at its address-space limit; each answer cell fails, so each scores 0, while an honest
+    stage 1 (a kernel, a forkserver and 2-3 ranks with their threads) graded at the same time keeps full marks.
+    Where the host lets a root grader make cgroups (v1 memory and pids controllers, as here) a notebook's processes
+    together are capped too: four children of 768 MiB each, every one under the address-space limit, are stopped
+    by the notebook's 2.5 GiB. Elsewhere (cgroup v2 only) that part is skipped: it needs a delegated v2 subtree."""
+    if not SANDBOX_OK:
+        pytest.skip(SANDBOX_WHY)
+    folder = tmp_path / "submissions"
+    make_submission("ex01_memory_formulas", "hostile/ex01_fork_bomb.cells", folder / "forker")
+    make_submission("ex01_memory_formulas", "hostile/ex01_memory_hog.cells", folder / "hog")
+    cgroups = sandbox.Cgroup.make(f"zeroedu-test-{os.getpid()}", sandbox.Limits())
+    if cgroups is not None:   # this host lets the grader cap a notebook's processes together
+        cgroups.remove()
+        make_submission("ex01_memory_formulas", "hostile/ex01_spread_hog.cells", folder / "spread")
+    make_submission("ex04_stage1_sharding", None, folder / "neighbour")
+    options = _sandboxed([folder])
+    options.sandbox_limits = sandbox.Limits(memory=4 * 2**30, processes=200, cpu_seconds=900,
+                                            notebook_memory=5 * 2**29)
+    results = grader.grade([folder], SOLUTIONS, grader.Limits(cell_timeout=120), progress=False, options=options,
+                           jobs=2)
+    by = {r.learner: r for r in results if r.status == "graded"}   # each learner's one notebook
+    neighbour = by["neighbour"]
+    assert neighbour.points == _full("ex04_stage1_sharding"), [(t.grade_id, t.message[:300])
+                                                               for t in neighbour.tests]
+    forker, hog = by["forker"], by["hog"]
+    assert forker.points == 0 and hog.points == 0, (forker.notes, hog.notes)
+    refused = re.search(r"fork refused after (\d+) processes", " ".join(forker.notes))
+    assert refused and int(refused.group(1)) < 200, forker.notes   # the sandbox's limit, not the bound of 1000
+    # One process: its address-space limit raises MemoryError, unless the notebook's cgroup (2.5 GiB with the
+    # kernel's own memory) is reached first and its OOM killer ends the kernel.
+    assert any("MemoryError" in n or "the kernel died" in n for n in hog.notes), hog.notes
+    assert not any("no limit" in n for n in hog.notes), hog.notes
+    if cgroups is not None:
+        spread = by["spread"]
+        # the OOM killer ends the largest process of the notebook: a child (the cell then says so), or the kernel
+        assert spread.points == 0 and any("killed by signals [9" in n or "died" in n for n in spread.notes), \
+            spread.notes
+    assert not [p for p in Path("/sys/fs/cgroup/memory").glob(f"zeroedu-grade-{os.getpid()}-*")], "cgroups left"

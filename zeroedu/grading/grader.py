@@ -66,7 +66,7 @@ from zeroedu.grading.assembly import assemble, match_solution
 from zeroedu.grading.build import default_dir
 from zeroedu.grading.client import _cut
 from zeroedu.grading.link import kernel_exchange
-from zeroedu.grading.report import CSV_FIELDS, gradebook, safe, sanitise, table, write_csv
+from zeroedu.grading.report import CSV_FIELDS, gradebook, safe, sanitise, table, unmark, write_csv
 from zeroedu.grading.results import CellRun, ExerciseResult, Limits, TestResult
 from zeroedu.grading.runner import _Runner
 from zeroedu.grading.score import _refusals, full_points, score
@@ -130,11 +130,11 @@ def grade_notebook(path: Path, learner: str, solutions: dict[str, Any], limits: 
         nb.cells[i].metadata["zeroedu_grade"]["refused"] = _cut(why, limits.max_output)
     folders = [Path(tempfile.mkdtemp(prefix=p, dir=scratch)) for p in ("nb-", "grader-", "ipc-")]
     workdir, private, ipc = folders
+    box = None
     try:
         shutil.copyfile(path, workdir / Path(shown).name)
         blocks = solutions[name].metadata.get("zeroedu", {}).get("write_your_own", [])
         (private / "config.json").write_text(json.dumps({"blocks": blocks}), encoding="utf-8")
-        box = None
         if not options.trusted:
             box = sb.Sandbox(workdir, ipc, private / "config.json", options.hidden,
                              options.sandbox_limits or sb.Limits())
@@ -142,6 +142,8 @@ def grade_notebook(path: Path, learner: str, solutions: dict[str, Any], limits: 
         runner.run()
         refusals = _refusals(private)
     finally:   # the learner's copy goes as soon as its notebook is graded, whatever happened
+        if box is not None:
+            box.close()
         for folder in folders:
             remove_tree(folder)
     result.tests, notes = score(nb, runner.runs)
@@ -154,10 +156,29 @@ def grade_notebook(path: Path, learner: str, solutions: dict[str, Any], limits: 
     result.seconds = round(time.monotonic() - t0, 1)
     _cap_messages(result, limits.max_output)
     if executed is not None:
+        _unmark_kernel_outputs(nb)
         out = executed / learner / f"{name}.ipynb"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(nbtools.write_text(nb), encoding="utf-8")
     return result
+
+
+def _unmark_kernel_outputs(nb: Any) -> None:
+    """In the executed notebook the instructor reads, the grader's marks (✓, ✗) appear only in the outputs of
+    cells the grader ran (tests): in what the learner's cells printed they are written out (report.unmark)."""
+    for cell, where in zip(nb.cells, places(nb), strict=True):
+        if where not in ("kernel", "both"):
+            continue
+        for output in cell.get("outputs", []):
+            if "text" in output:
+                output["text"] = unmark("".join(output["text"]) if isinstance(output["text"], list)
+                                        else output["text"])
+            for key, value in (output.get("data") or {}).items():
+                if key.startswith("text/"):
+                    output["data"][key] = unmark("".join(value) if isinstance(value, list) else value)
+            if "evalue" in output:
+                output["evalue"] = unmark(output["evalue"])
+                output["traceback"] = [unmark(line) for line in output.get("traceback", [])]
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -258,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run without the sandbox: only for your own notebooks on your own machine")
     parser.add_argument("--memory-gb", type=float, default=6.0,
                         help="address space per sandboxed process, GiB (default 6)")
+    parser.add_argument("--notebook-memory-gb", type=float, default=8.0,
+                        help="memory of a notebook's processes together, where the host lets the grader make a cgroup "
+                             "(default 8)")
     parser.add_argument("--max-processes", type=int, default=1024,
                         help="processes and threads in the sandboxes (default 1024)")
     parser.add_argument("--jobs", type=int, default=2, help="notebooks graded at once (default 2)")
@@ -286,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.quiet:
             print(f"zeroedu grade: {sb.cgroup_note()}", file=sys.stderr)
         options.sandbox_limits = sb.Limits(memory=int(args.memory_gb * 2**30), processes=args.max_processes,
-                                           cpu_seconds=int(2 * args.notebook_timeout + 600))
+                                           cpu_seconds=int(2 * args.notebook_timeout + 600),
+                                           notebook_memory=int(args.notebook_memory_gb * 2**30))
     limits = Limits(args.timeout, args.notebook_timeout, args.max_output)
     # Stopped from outside (timeout(1), a scheduler): unwind, so that scratch copies are removed.
     previous = signal.signal(signal.SIGTERM, _exit_on_signal)

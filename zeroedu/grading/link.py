@@ -66,6 +66,7 @@ class _KernelLink:
         self.requests = -1
         self.answers = -1
         self.paths: list[Path] = []
+        self.wire: int | None = None   # TCP payload the sandbox sent during the last call (wire.Meter), if counted
 
     def _start(self) -> None:
         token = os.urandom(8).hex()
@@ -143,9 +144,14 @@ class _KernelLink:
         if self.future is None:
             self._start()
         data = pickle.dumps({"fn": fn, "args": tuple(args), "kwargs": dict(kwargs)})
+        meter = getattr(self.runner, "meter", None)
+        self.wire, before = None, meter.read() if meter is not None else None
         if not self._write(len(data).to_bytes(8, "big") + data):
             self._wait_end()
         size = int.from_bytes(self._read(8), "big")
+        after = meter.read() if meter is not None else None   # the answer is in: the ranks are gone
+        if before is not None and after is not None:
+            self.wire = after - before
         if size > remote.MAX_ANSWER_BYTES:
             raise remote.KernelUnavailable(f"your code returned {size} bytes of data, more than the grader reads "
                                            f"({remote.MAX_ANSWER_BYTES})")

@@ -47,6 +47,18 @@ def in_kernel(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     return s.call(fn, args, kwargs)
 
 
+def wire_problem(claimed: int, what: str, source: str) -> str | None:
+    """After an in_kernel call that ran ranks: the reason to score 0 when they claim more bytes sent than crossed
+    the sandbox's wire during that call (zeroedu.grading.wire), else None; None too outside the grader, or where
+    the wire is not counted (--trusted)."""
+    s = session()
+    if s is None:
+        return None
+    from zeroedu.grading.wire import claim_problem
+
+    return claim_problem(claimed, getattr(s, "wire", None), what, source)
+
+
 class Learner:
     """A learner's object in the kernel, by name. Calls go to the kernel; it pickles as "look it up there"."""
 

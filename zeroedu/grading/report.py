@@ -9,20 +9,32 @@ from pathlib import Path
 
 from zeroedu.grading.results import ExerciseResult
 
+# The marks of the grader's own verdicts ("✓ name (2/2)", "✗ name (0/2): hint"). Only the grader writes them
+# where the instructor and the learner read results: in every string that came from a notebook (its names, its
+# printed output, its exceptions, what its process reported) safe() and unmark() write them out as \u2713 and
+# \u2717, so a line that shows one was written by the grader.
+GRADER_MARKS = "\u2713\u2717"
+
 
 def safe(text: str, newlines: bool = True) -> str:
     """`text` with every control and format character written out (\\x1b, \\u202e...): a learner's file name or
     message must not move the instructor's cursor, recolour the terminal, reorder a line or start a fake row.
-    Newlines and tabs stay in messages (newlines=True), never in names."""
+    Newlines and tabs stay in messages (newlines=True), never in names. The grader's marks (GRADER_MARKS) are
+    written out too: no learner string can pass for a verdict."""
     out = []
     for ch in str(text):
         if ch in "\n\t" and newlines:
             out.append(ch)
-        elif unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"):
+        elif unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp") or ch in GRADER_MARKS:
             out.append(ascii(ch)[1:-1])
         else:
             out.append(ch)
     return "".join(out)
+
+
+def unmark(text: str) -> str:
+    """A notebook's printed output with the grader's marks written out (the rest left as printed)."""
+    return "".join(ascii(ch)[1:-1] if ch in GRADER_MARKS else ch for ch in str(text))
 
 
 def sanitise(results: list[ExerciseResult]) -> None:
@@ -83,4 +95,6 @@ def write_csv(results: list[ExerciseResult], path: Path) -> None:
         for r in results:
             w.writerow({"learner": r.learner, "exercise": r.exercise, "points": _num(r.points),
                         "max_points": _num(r.max_points), "passed_tests": r.passed, "tests": len(r.tests),
-                        "status": r.status, "first_failure": r.first_failure, "notes": " | ".join(r.notes)})
+                        "status": r.status, "first_failure": r.first_failure,
+                        # one note a line: a note is one line (sanitise), so none can pass for two
+                        "notes": "\n".join(r.notes)})

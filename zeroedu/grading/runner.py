@@ -20,7 +20,7 @@ import nbformat
 from nbclient.exceptions import DeadKernelError
 
 from zeroedu.grading import notebook as nbtools
-from zeroedu.grading import remote
+from zeroedu.grading import remote, wire
 from zeroedu.grading.client import _QUIET, OUTPUT_CAP, _Client, _cut, _LogPipe
 from zeroedu.grading.kernel import EXCHANGE_PATH
 from zeroedu.grading.link import _Captured, _KernelLink
@@ -126,6 +126,7 @@ class _Runner:
         self.client, self.loop, self.kernel_lost = client, asyncio.get_running_loop(), False
         log = self.log = _LogPipe(self.private / "kernel.log")  # the kernel's stdout and stderr: a pipe
         self.pgid = None
+        self.meter: wire.Meter | None = None
         env = self.env()
         if self.sandbox is not None:
             env = self.sandbox.env(env)
@@ -137,6 +138,8 @@ class _Runner:
                 started = True
                 log.started()
                 self.pgid = getattr(client.km.provisioner, "pgid", None)
+                process = getattr(client.km.provisioner, "process", None)
+                self.meter = wire.Meter(process.pid if self.sandbox is not None and process is not None else None)
                 problem = await self._setup(client)
                 if problem:
                     self.notes.append(problem)

@@ -12,9 +12,13 @@ Inside, the kernel and everything it starts (ranks, subprocesses) see:
   (--max-processes), CPU time, no core files, FILE_BYTES per file written, and sized tmpfs for /tmp, /dev/shm
   and /run (TMPFS_BYTES). When the grader runs as root each sandbox runs as a user of its own (sandbox_uid: a
   fresh uid per sandbox, not 65534 for all), so the process limit is per notebook and nothing inside has
-  root's rights. What this does not cap: a notebook's total memory across its processes (ranks) and the disk
-  its work folder takes on the host. That needs a cgroup v2 with the memory controller delegated to the
-  grader, which `cgroup_note()` looks for and, where missing (cgroup v1 hosts, containers), says so once.
+  root's rights. A notebook's total memory across its processes (ranks, tmpfs pages included) and its
+  process count are capped by cgroups of its own (Cgroup) where the host lets a root grader make them: cgroup
+  v1's memory and pids controllers, as in this course's container. Where it does not (a host with cgroup v2
+  only, or a grader not run as root) only the per-process limits hold; capping a notebook's total there needs
+  a cgroup v2 subtree with the memory and pids controllers delegated to the grader, which the grader does not
+  use yet. `cgroup_note()` says once which of these holds. Not capped anywhere: the disk its work folder takes
+  (only each file, FILE_BYTES).
 - the grader's test exchange (exchange_dir): two named pipes per test, made by the grader in a folder only it
   can write, bound read-only at EXCHANGE_PATH (pipes open for writing on a read-only mount): nothing the
   learner can name (a link at the old place in the work folder) is followed by the grader.
@@ -25,12 +29,14 @@ settings are bound read-only, the log is a pipe the grader reads.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,20 +78,17 @@ os.execv(sys.argv[6], sys.argv[6:])
 
 
 def cgroup_note() -> str:
-    """One sentence for the instructor: what caps a notebook's use on this machine. The grader creates no
-    cgroups yet, so a notebook's total memory over all its processes is not capped, only each process's; the
-    sentence says whether a cgroup v2 memory controller would be there to do it."""
-    root = Path("/sys/fs/cgroup")
-    try:
-        controllers = (root / "cgroup.controllers").read_text().split()
-    except OSError:
-        controllers = []
-    if "memory" in controllers and os.access(root, os.W_OK):
-        return ("a cgroup v2 memory controller is available, but the grader does not use it yet: each notebook's "
-                "memory is capped per process (--memory-gb), its tmpfs and each file it writes by size")
-    return ("no cgroup v2 memory controller here (cgroup v1 or a container): each notebook's memory is capped per "
+    """One sentence for the instructor: what caps a notebook's use on this machine."""
+    v1 = os.geteuid() == 0 and all((CGROUP_V1 / c / "cgroup.procs").exists() for c in ("memory", "pids"))
+    if v1:
+        return ("each notebook runs in cgroups of its own (v1 memory and pids controllers): its processes together "
+                "are capped in memory and number; each process by address space (--memory-gb) and CPU time, its "
+                "/tmp, /dev/shm and /run by size, each file it writes by size; the disk its work folder takes is "
+                "not capped")
+    return ("no cgroup this grader can make here (cgroup v2 only, or not root): each notebook's memory is capped per "
             "process (--memory-gb), its /tmp, /dev/shm and /run by size and each file it writes by size; a notebook's "
-            "ranks together, and the disk its work folder takes, are not capped")
+            "processes together, and the disk its work folder takes, are not capped (that needs a cgroup v2 subtree "
+            "delegated to the grader)")
 
 
 def bwrap() -> str | None:
@@ -112,8 +115,77 @@ def check() -> tuple[bool, str]:
 @dataclass
 class Limits:
     memory: int = 6 * 2**30        # bytes of address space per process (torch alone maps ~2 GiB)
-    processes: int = 1024          # processes and threads of the sandbox's user
+    processes: int = 1024          # processes and threads of the sandbox's user (and of its cgroup, if any)
     cpu_seconds: int = 3600        # CPU time per process
+    notebook_memory: int = 8 * 2**30   # memory of all the notebook's processes together, where a cgroup can cap it
+
+
+CGROUP_V1 = Path("/sys/fs/cgroup")
+# Runs before bwrap, outside the sandbox and still as the grader's user: joins the notebook's cgroups (every process
+# the sandbox starts inherits them), then becomes bwrap.
+_JOIN = """
+import os, sys
+end = sys.argv.index("--")
+for procs in sys.argv[1:end]:
+    with open(procs, "w") as f:
+        f.write(str(os.getpid()))
+os.execv(sys.argv[end + 1], sys.argv[end + 1:])
+"""
+
+
+class Cgroup:
+    """One notebook's cgroups where this host lets the grader make them: cgroup v1's memory controller (a cap on
+    the memory of all the notebook's processes together, tmpfs pages included: past it the kernel's OOM killer
+    ends one of them) and pids controller (a cap on its processes and threads). Found here: a container with the
+    v1 hierarchies mounted writable for root. `make()` returns None where they are not (cgroup v2 only, not root):
+    the per-process limits still hold, a notebook's total does not."""
+
+    def __init__(self, folders: list[Path]) -> None:
+        self.folders = folders
+
+    @classmethod
+    def make(cls, name: str, limits: Limits) -> Cgroup | None:
+        memory, pids = CGROUP_V1 / "memory", CGROUP_V1 / "pids"
+        if os.geteuid() != 0 or not (memory / "cgroup.procs").exists() or not (pids / "cgroup.procs").exists():
+            return None
+        made: list[Path] = []
+        try:
+            for root in (memory, pids):
+                (root / name).mkdir()
+                made.append(root / name)
+            (memory / name / "memory.limit_in_bytes").write_text(str(limits.notebook_memory))
+            swap = memory / name / "memory.memsw.limit_in_bytes"   # RAM plus swap: no escape into swap
+            if swap.exists():
+                swap.write_text(str(limits.notebook_memory))
+            (pids / name / "pids.max").write_text(str(limits.processes))
+        except OSError:
+            cls(made).remove()
+            return None
+        return cls(made)
+
+    def join_command(self, cmd: list[str]) -> list[str]:
+        return [sys.executable, "-I", "-S", "-c", _JOIN, *(str(f / "cgroup.procs") for f in self.folders), "--",
+                *cmd]
+
+    def peak_memory(self) -> int | None:
+        """The most memory the notebook's processes held at once (bytes), as the memory controller counted it."""
+        for folder in self.folders:
+            with contextlib.suppress(OSError, ValueError):
+                return int((folder / "memory.max_usage_in_bytes").read_text())
+        return None
+
+    def remove(self) -> None:
+        """Remove the cgroups once their processes are gone (the kernel killed, its pid namespace with it)."""
+        for folder in self.folders:
+            for _ in range(50):
+                try:
+                    folder.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:   # still busy for a moment after the last process exits
+                    time.sleep(0.1)
+        self.folders = []
 
 
 @dataclass
@@ -127,6 +199,7 @@ class Sandbox:
     limits: Limits = field(default_factory=Limits)
     exchange: Path | None = None   # the grader's folder of test pipes, bound read-only at kernel.EXCHANGE_PATH
     uid: int = field(default_factory=lambda: sandbox_uid() if os.geteuid() == 0 else -1)
+    cgroup: Cgroup | None = None   # made with the first kernel, removed by close()
     _prepared: bool = False
 
     def prepare(self) -> None:
@@ -147,6 +220,8 @@ class Sandbox:
                 os.lchown(self.workdir, self.uid, self.uid)
                 for path in self.workdir.iterdir():
                     os.lchown(path, self.uid, self.uid)
+        if self.cgroup is None:
+            self.cgroup = Cgroup.make(f"zeroedu-grade-{os.getpid()}-{self.workdir.name}", self.limits)
         self._prepared = True
         os.chmod(self.config, 0o644)
         if self.exchange is not None:
@@ -183,7 +258,12 @@ class Sandbox:
                  "--die-with-parent", "--new-session", "--chdir", str(self.workdir)]
         init = [sys.executable, "-I", "-S", "-c", _INIT, str(self.limits.memory), str(self.limits.processes),
                 str(self.limits.cpu_seconds), str(FILE_BYTES), str(self.uid)]
-        return [*args, "--", *init, *cmd]
+        full = [*args, "--", *init, *cmd]
+        return self.cgroup.join_command(full) if self.cgroup is not None else full
+
+    def close(self) -> None:
+        if self.cgroup is not None:
+            self.cgroup.remove()
 
     def kernel_manager(self, client: Any) -> Any:
         """A kernel manager whose kernel starts in this sandbox and talks over unix sockets."""

@@ -72,8 +72,16 @@ def score(nb: Any, runs: list[CellRun]) -> tuple[list[TestResult], list[str]]:
     return tests, notes
 
 
+# The guard that refuses writes runs inside the learner's process, and its log shares the kernel's stderr: the
+# notebook's own code can write the same line (a secret in that process would be readable by that code too). So
+# the grader never states a refusal as its own finding: each note says where it came from. In the sandbox the
+# operating system refuses those writes whatever the log says.
+FROM_NOTEBOOK = "reported by the notebook's own process (its code can write this line too): "
+
+
 def _refusals(private: Path) -> list[str]:
-    """The guard's refusals, from the kernel's stderr as the grader received it (outside the sandbox)."""
+    """The guard's refusals, from the kernel's stderr as the grader received it (outside the sandbox), each
+    labelled as the notebook's report (FROM_NOTEBOOK)."""
     try:
         lines = (private / "kernel.log").read_text(errors="replace").splitlines()
     except OSError:
@@ -84,8 +92,8 @@ def _refusals(private: Path) -> list[str]:
             continue
         with contextlib.suppress(ValueError, KeyError, TypeError):
             r = json.loads(line[len(REFUSED_MARK):])
-            out.append(f"refused to {str(r['op'])[:20]} {str(r['path'])[:300]}: outside the notebook's working "
-                       "directory")
+            out.append(f"{FROM_NOTEBOOK}refused to {str(r['op'])[:20]} {str(r['path'])[:300]}: outside the "
+                       "notebook's working directory")
     return list(dict.fromkeys(out))[:20]
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from zeroedu.grading.exercises.ranks import RING_HANG_HINT, SendCounter, not_implemented, run_on_ranks
-from zeroedu.grading.remote import in_kernel
+from zeroedu.grading.remote import in_kernel, wire_problem
 from zeroedu.i18n import tr
 
 __all__ = ["RingRun", "chunk_sizes", "run_all_gather", "run_all_reduce", "run_reduce_scatter"]
@@ -292,6 +292,12 @@ def _run(op: str, fn: Callable, probe_args: tuple, sizes: list[int], world_size:
     out = in_kernel(_collect, op, fn, cases, world_size)
     if "error" in out:
         run.error = str(out["error"])
+        return run
+    claimed = sum(row["sent"] for rows in out["rows"] for row in rows
+                  if isinstance(row, dict) and isinstance(row.get("sent"), int))
+    problem = wire_problem(claimed, name, "counted by SendCounter")
+    if problem:
+        run.error = problem
         return run
     run.rows = [[{**row, **_expected(op, world_size, rank, row)} for row in rows]
                 for rank, rows in enumerate(out["rows"])]

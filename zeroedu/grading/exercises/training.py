@@ -30,15 +30,17 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from zeroedu.comm.agreement import PAYLOAD_BYTES
 from zeroedu.config import load_config
 from zeroedu.fmt import approx
 from zeroedu.grading.exercises.ranks import run_on_ranks
-from zeroedu.grading.remote import in_kernel
+from zeroedu.grading.remote import in_kernel, wire_problem
 from zeroedu.models import MLP, Quirky, TinyGPT, TinyGPTConfig, gpt_batch, mlp_batch, quirky_batch, shard_batch
 from zeroedu.precision import DTYPES
 
 __all__ = ["Case", "Quirky", "TrainRun", "make_batch", "make_model", "reference", "train_on_ranks"]
 
+LOCAL_KINDS = ("offload", "activations")   # ledger kinds that copy within a rank (host <-> device): never on a wire
 GPT = TinyGPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layer=1, n_head=2)
 MLP_SIZES = (12, 24, 24, 6)
 
@@ -172,6 +174,19 @@ def _compute_params(engine: Any) -> dict[str, torch.Tensor]:
     return {engine.names[p]: p.detach().clone() for p in engine.layout.params}
 
 
+def _wire_claim(engine: Any, n: int) -> int:
+    """The bytes this rank's engine says it sent to other ranks, as the grader will compare them with the wire:
+    every collective in its ledger (the set-up's included) and each collective-agreement check known to be done
+    (one all-gather of PAYLOAD_BYTES: (N-1) x PAYLOAD_BYTES from each rank, whatever gloo's algorithm). The more
+    of an honest run's traffic is claimed, the less room a forged ledger has to hide in."""
+    claim = sum(e.sent_bytes for e in engine.ledger if e.kind not in LOCAL_KINDS and e.group_size > 1)
+    agreement = getattr(engine.comm, "agreement", None)
+    if agreement is not None and n > 1:
+        done = int(getattr(agreement, "checks", 0)) - len(getattr(agreement, "_pending", ()))
+        claim += max(0, done) * (n - 1) * PAYLOAD_BYTES
+    return int(claim)
+
+
 def _job(rank: int, n: int, cases: list[Case], engine_for_rank: Callable, extra: Callable | None) -> list[dict]:
     out = []
     for case in cases:
@@ -196,6 +211,7 @@ def _job(rank: int, n: int, cases: list[Case], engine_for_rank: Callable, extra:
                    layout=_layout_rows(engine), ledger=[e for e in engine.ledger.rows() if e["phase"] != "init"],
                    stage=engine.stage, dtype=str(engine.dtype).removeprefix("torch."))
         row["weights"] = engine.master_state_dict()
+        row["wire_claim"] = _wire_claim(engine, n)
         if extra is not None:
             row.update(extra(engine, case))
         close = getattr(engine, "close", None)
@@ -427,6 +443,24 @@ def _collect(cases: list[Case], engine_for_rank: Callable, extra: Callable | Non
     return {"rows": [rows[i] for i in range(len(cases))]}
 
 
+def ledger_claim(rows_by_case: list[list[dict]]) -> int:
+    """Bytes the ranks say went to other ranks, summed over ranks and cases, for the grader's cross-check against
+    the wire: each rank's wire_claim (_wire_claim), and never less than the ledger rows it returned claim (a
+    wire_claim made smaller cannot hide forged rows). Values that are not numbers claim nothing (the checks fail
+    on them)."""
+    total = 0
+    for rows in rows_by_case:
+        for row in rows if isinstance(rows, list) else []:
+            if not isinstance(row, dict):
+                continue
+            ledger = sum(e["sent_bytes"] for e in row.get("ledger", []) if isinstance(e, dict)
+                         and isinstance(e.get("sent_bytes"), int) and e.get("kind") not in LOCAL_KINDS
+                         and isinstance(e.get("group_size"), int) and e["group_size"] > 1)
+            claim = row.get("wire_claim")
+            total += max(ledger, claim if isinstance(claim, int) else 0)
+    return total
+
+
 def train_on_ranks(engine_for_rank: Callable[[Case], type], cases: list[Case], what: str = "your code",
                    extra: Callable | None = None, ref: bool = True) -> TrainRun:
     """Train every case with the class engine_for_rank(case) returns, one launch per world size, next to the
@@ -434,10 +468,21 @@ def train_on_ranks(engine_for_rank: Callable[[Case], type], cases: list[Case], w
     exercise-specific measurements to each rank's row. Under the grader, engine_for_rank and extra must pickle
     (module-level functions, functools.partial of them)."""
     run = TrainRun(what, list(cases))
-    out = in_kernel(_collect, list(cases), engine_for_rank, extra, what)
-    if "error" in out:
-        run.error = str(out["error"])
-        return run
-    run.ranks = out["rows"]
+    # The learner's cases and the engine's own (engine="zeroedu", for comparison) run in separate requests: the
+    # wire counted during each must cover the bytes its own ranks claim, and the engine's honest traffic must not
+    # cover for the learner's.
+    groups = [[i for i, c in enumerate(cases) if (c.engine == "yours") == mine] for mine in (True, False)]
+    rows: dict[int, list] = {}
+    for group in (g for g in groups if g):
+        out = in_kernel(_collect, [cases[i] for i in group], engine_for_rank, extra, what)
+        if "error" in out:
+            run.error = str(out["error"])
+            return run
+        problem = wire_problem(ledger_claim(out["rows"]), what, "their ledgers' collectives and the engine's checks")
+        if problem:
+            run.error = problem
+            return run
+        rows.update(zip(group, out["rows"], strict=True))
+    run.ranks = [rows[i] for i in range(len(cases))]
     run.refs = [reference(c) if ref else {} for c in cases]
     return run
