@@ -1,8 +1,14 @@
-"""The first two cells of every notebook (notebooks/, solutions/, exercises/): badges, then the setup cell.
+"""The first two cells of every notebook (notebooks/, solutions/, exercises/): badges, then the setup cell; and
+every other place that names the course's repository.
 
     python scripts/setup_cell.py            insert or update them in every notebook (idempotent: run it again
-                                            after a merge, it rewrites only these two cells)
-    python scripts/setup_cell.py --check    exit 1, naming the notebooks whose first cells differ
+                                            after a merge, it rewrites only these two cells), and re-stamp the
+                                            Chinese edition's two cells, its catalogues' badge entry and the
+                                            README's badges
+    python scripts/setup_cell.py --check    exit 1, naming the files whose first cells or badges differ
+
+The repository's URL is declared once, pyproject.toml [project.urls] Repository; the book (docs/book/conf.py)
+reads it there too. After changing it, run this script once: it rewrites only these cells and badge lines.
 
 The badges open the notebook on Colab and on ModelScope (魔搭, reachable from mainland China). The setup cell does
 nothing where zeroedu is importable (a `make` venv, conda, Binder, nbval here: it prints nothing, so nbval's saved
@@ -25,8 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("notebooks", "solutions", "exercises")
 TAG = "zeroedu-setup"
-# Where hosted runtimes get the course. ZEROEDU_SOURCE (a git URL or a local folder) overrides it at run time.
-REPOSITORY = "https://github.com/zeroedu/zeroedu"
+README_START, README_END = "<!-- badges: scripts/setup_cell.py -->", "<!-- /badges -->"
 BRANCH = "main"   # the badges open the notebooks of this branch
 MODELSCOPE = "https://modelscope.cn/my/mynotebook"
 HOSTED_SKIP = {"torch", "jupyterlab"}   # the runtime's own: its torch is kept, its notebook UI is the host's
@@ -88,9 +93,22 @@ if importlib.util.find_spec("zeroedu") is None or os.environ.get("ZEROEDU_SETUP"
 
 
 def _pyproject() -> dict:
-    import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:   # Python 3.10: tomllib's origin, the tomli package (pip install tomli)
+        import tomli as tomllib
 
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def repository() -> str:
+    """Where hosted runtimes get the course: pyproject.toml [project.urls] Repository, a GitHub URL (Colab opens
+    notebooks by GitHub owner/name). ZEROEDU_SOURCE (a git URL or a local folder) overrides it at run time."""
+    url = _pyproject()["project"].get("urls", {}).get("Repository", "")
+    if not re.fullmatch(r"https://github\.com/[\w.-]+/[\w.-]+", url):
+        raise SystemExit(f"setup_cell: pyproject.toml [project.urls] Repository is {url!r}; it must be the course's "
+                         "GitHub URL, https://github.com/OWNER/NAME (Colab's badge opens notebooks from GitHub)")
+    return url
 
 
 def _pair(spec: str, op: str) -> tuple[int, int]:
@@ -108,7 +126,7 @@ def cell_source() -> str:
     t_low, t_below = _pair(torch_spec, ">="), _pair(torch_spec, "<")
     default = _pyproject()["tool"]["zeroedu"]["tested-torch"]
     values = {
-        "__REPOSITORY__": REPOSITORY, "__TORCH_DEFAULT__": default,
+        "__REPOSITORY__": repository(), "__TORCH_DEFAULT__": default,
         "__PY_LOW__": repr(py_low), "__PY_BELOW__": repr(py_below),
         "__PY_SPAN__": f"{py_low[0]}.{py_low[1]} to {py_below[0]}.{py_below[1] - 1}",
         "__TORCH_LOW__": repr(t_low), "__TORCH_BELOW__": repr(t_below),
@@ -121,19 +139,41 @@ def cell_source() -> str:
     return text.rstrip("\n")
 
 
-def badges(rel: str) -> str:
+NOTE = {
+    "en": ("*Hosted (Colab; ModelScope: start a notebook there, upload this file or `git clone` the course): run the "
+           "setup cell below first; on your own machine it does nothing. 在 Colab 或魔搭 Notebook 上先运行下面的 "
+           "setup 单元格；在本机上它什么也不做。*"),
+    "zh": ("*在 Colab 或魔搭 Notebook 上先运行下面的 setup 单元格（魔搭：先新建一个 Notebook，再上传本文件或 "
+           "`git clone` 课程）；在你自己的机器上它什么也不做。*"),
+}
+
+
+def _owner_repo() -> str:
+    return repository().removeprefix("https://github.com/")
+
+
+def _colab_badge(rel: str) -> str:
+    colab = f"https://colab.research.google.com/github/{_owner_repo()}/blob/{BRANCH}/{rel}"
+    return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({colab})"
+
+
+MODELSCOPE_BADGE = f"[![ModelScope 魔搭](https://img.shields.io/badge/ModelScope-魔搭_Notebook-624aff)]({MODELSCOPE})"
+
+
+def badges(rel: str, lang: str = "en") -> str:
     """Open-in badges for the notebook at rel (a path inside the repository). Colab opens a GitHub notebook from
     its URL; ModelScope has no such link: its badge opens the page that starts a notebook instance (我的Notebook),
     where the notebook is uploaded or the course cloned."""
-    owner_repo = REPOSITORY.removeprefix("https://github.com/")
     if rel.startswith("solutions/"):   # exercises/ are built from solutions/: the learner's copy is the one to open
         rel = "exercises/" + rel.removeprefix("solutions/")
-    colab = f"https://colab.research.google.com/github/{owner_repo}/blob/{BRANCH}/{rel}"
-    return (f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({colab}) "
-            f"[![ModelScope 魔搭](https://img.shields.io/badge/ModelScope-魔搭_Notebook-624aff)]({MODELSCOPE})\n\n"
-            "*Hosted (Colab; ModelScope: start a notebook there, upload this file or `git clone` the course): run the "
-            "setup cell below first; on your own machine it does nothing. 在 Colab 或魔搭 Notebook 上先运行下面的 "
-            "setup 单元格；在本机上它什么也不做。*")
+    return f"{_colab_badge(rel)} {MODELSCOPE_BADGE}\n\n{NOTE[lang]}"
+
+
+def readme_badges() -> str:
+    """The README's badges: lesson 00 on Colab, ModelScope, and Binder (which builds from environment.yml)."""
+    binder = (f"https://mybinder.org/v2/gh/{_owner_repo()}/HEAD?urlpath=lab/tree/notebooks/00_start_here.ipynb")
+    return "\n".join([README_START, _colab_badge("notebooks/00_start_here.ipynb"), MODELSCOPE_BADGE,
+                      f"[![Binder](https://mybinder.org/badge_logo.svg)]({binder})", README_END])
 
 
 def cells_for(rel: str) -> list[dict]:
@@ -155,6 +195,64 @@ def _lines(text: str) -> list[str]:
 
 def notebooks() -> list[Path]:
     return sorted(p for folder in FOLDERS for p in (ROOT / folder).glob("*.ipynb"))
+
+
+def zh_notebooks() -> list[Path]:
+    """The Chinese edition: its two first cells are the English ones, but for the badges' Chinese note."""
+    return sorted((ROOT / "notebooks" / "zh").glob("*.ipynb"))
+
+
+def _write_if_changed(path: Path, new: str) -> bool:
+    if new == path.read_text(encoding="utf-8"):
+        return False
+    path.write_text(new, encoding="utf-8")
+    return True
+
+
+def _po_string(text: str) -> str:
+    """text as a .po file writes a multi-line string: an empty first line, then one quoted line per line."""
+    quoted = (line.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+              for line in text.splitlines(keepends=True))
+    return '""\n' + "\n".join(f'"{q}"' for q in quoted)
+
+
+def zh_po_entry(name: str) -> str:
+    """The badges' entry in notebooks/zh/po/NAME.po: the English cell and its Chinese counterpart."""
+    return (f'msgctxt "zeroedu-badges"\nmsgid {_po_string(badges(f"notebooks/{name}.ipynb"))}\n'
+            f'msgstr {_po_string(badges(f"notebooks/zh/{name}.ipynb", "zh"))}\n')
+
+
+PO_ENTRY = re.compile(r'^msgctxt "zeroedu-badges"\n.*?(?=^\n|\Z)', re.MULTILINE | re.DOTALL)
+
+
+def apply_zh(path: Path) -> bool:
+    """Re-stamp a Chinese notebook's two first cells (their sources only: the rest, and those cells' run metadata,
+    stay) and the badge entry of its catalogue; True if a file changed."""
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    rel = path.relative_to(ROOT).as_posix()
+    for cell in nb["cells"][:2]:
+        if TAG in cell.get("metadata", {}).get("tags", []):
+            want = badges(rel, "zh") if cell["cell_type"] == "markdown" else cell_source()
+            cell["source"] = _lines(want)
+    changed = _write_if_changed(path, json.dumps(nb, sort_keys=True, indent=1, ensure_ascii=False) + "\n")
+    po = path.parent / "po" / f"{path.stem}.po"
+    if po.is_file():
+        text = po.read_text(encoding="utf-8")
+        if PO_ENTRY.search(text) is None:
+            raise SystemExit(f"setup_cell: {po} has no msgctxt \"zeroedu-badges\" entry; run "
+                             "python -m zeroedu.i18n extract first")
+        changed |= _write_if_changed(po, PO_ENTRY.sub(lambda _: zh_po_entry(path.stem), text, count=1))
+    return changed
+
+
+def apply_readme() -> bool:
+    """Re-stamp the README's badges, the lines between README_START and README_END."""
+    path = ROOT / "README.md"
+    text = path.read_text(encoding="utf-8")
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        raise SystemExit(f"setup_cell: README.md has no {README_START} ... {README_END} block for the badges")
+    return _write_if_changed(path, text[:start] + readme_badges() + text[end + len(README_END):])
 
 
 def apply(path: Path) -> bool:
@@ -188,15 +286,35 @@ def differs(path: Path) -> bool:
         "".join(have[1].get("source", [])) != "".join(want[1]["source"]) or bool(have[1].get("outputs"))
 
 
+def zh_differs(path: Path) -> bool:
+    """Re-stamping would change the Chinese notebook or its catalogue (checked on a copy in memory)."""
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    rel = path.relative_to(ROOT).as_posix()
+    have = ["".join(c.get("source", [])) for c in nb["cells"][:2]]
+    po = path.parent / "po" / f"{path.stem}.po"
+    entry = PO_ENTRY.search(po.read_text(encoding="utf-8")) if po.is_file() else None
+    return have != [badges(rel, "zh"), cell_source()] or \
+        (po.is_file() and (entry is None or entry.group(0) != zh_po_entry(path.stem)))
+
+
+def readme_differs() -> bool:
+    return readme_badges() not in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if "--check" in args:
         bad = [p.relative_to(ROOT).as_posix() for p in notebooks() if differs(p)]
+        bad += [p.relative_to(ROOT).as_posix() for p in zh_notebooks() if zh_differs(p)]
+        bad += ["README.md"] if readme_differs() else []
         for name in bad:
-            print(f"{name}: its first cells are not scripts/setup_cell.py's; run python scripts/setup_cell.py")
+            print(f"{name}: its first cells or badges are not scripts/setup_cell.py's; "
+                  "run python scripts/setup_cell.py")
         return 1 if bad else 0
-    changed = [p for p in notebooks() if apply(p)]
-    print(f"setup_cell: {len(changed)} of {len(notebooks())} notebooks updated")
+    changed = [p for p in notebooks() if apply(p)] + [p for p in zh_notebooks() if apply_zh(p)]
+    readme = apply_readme()
+    print(f"setup_cell: {len(changed)} of {len(notebooks()) + len(zh_notebooks())} notebooks updated"
+          f"{', and the README' if readme else ''} (repository {repository()})")
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -64,6 +65,113 @@ def test_the_script_is_idempotent_and_keeps_the_rest(tmp_path, monkeypatch):
         if setup_cell.TAG in cell["metadata"].get("tags", []) and cell["cell_type"] == "code":
             cell["execution_count"] = None
     assert json.loads(once) == held
+
+
+# -- the repository's URL: declared once, stamped everywhere ---------------------------------------------------------
+
+COLAB = re.compile(r"colab\.research\.google\.com/github/([\w.-]+/[\w.-]+)/blob/")
+BINDER = re.compile(r"mybinder\.org/v2/gh/([\w.-]+/[\w.-]+)/")
+SOURCE = re.compile(r'os\.environ\.get\("ZEROEDU_SOURCE", "([^"]+)"\)')
+
+
+def _declared_url(root: Path = ROOT) -> str:
+    try:
+        import tomllib
+    except ModuleNotFoundError:   # Python 3.10
+        import tomli as tomllib
+    return tomllib.loads((root / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
+
+
+def _course_links(path: Path) -> dict[str, list[str]]:
+    """Every place a file names the course's repository: Colab badges, Binder badges, the setup cell's source
+    (a notebook is read as its cells' sources, a catalogue or the README as text)."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".ipynb":
+        text = "\n".join("".join(c["source"]) for c in json.loads(text)["cells"])
+    return {"colab": COLAB.findall(text), "binder": BINDER.findall(text), "source": SOURCE.findall(text)}
+
+
+def _stamped_files(root: Path) -> list[Path]:
+    return sorted([*root.glob("notebooks/*.ipynb"), *root.glob("notebooks/zh/*.ipynb"),
+                   *root.glob("notebooks/zh/po/*.po"), *root.glob("solutions/*.ipynb"),
+                   *root.glob("exercises/*.ipynb"), root / "README.md"])
+
+
+def test_every_copy_of_the_repository_url_agrees_with_pyproject():
+    """pyproject.toml [project.urls] Repository is the one declaration: every notebook's setup cell fetches from it,
+    every Colab badge (English, 中文, the catalogues' badge entries) and the README's Colab and Binder badges open
+    it, the book's repository button links it; no file names another repository for the course."""
+    url = _declared_url()
+    owner_repo = url.removeprefix("https://github.com/")
+    files = _stamped_files(ROOT)
+    assert len(files) >= 70, files
+    for path in files:
+        links = _course_links(path)
+        assert links["colab"], f"{path}: no Colab badge"
+        assert set(links["colab"]) | set(links["binder"]) == {owner_repo}, (path, links)
+        if path.suffix == ".ipynb":
+            assert links["source"] == [url], (path, links["source"])
+    readme = _course_links(ROOT / "README.md")
+    assert readme["binder"] == [owner_repo] and len(readme["colab"]) == 1
+    conf = subprocess.run([sys.executable, "-c", "import runpy, sys; "
+                           "print(runpy.run_path(sys.argv[1])['html_theme_options']['repository_url'])",
+                           str(ROOT / "docs" / "book" / "conf.py")], capture_output=True, text=True, check=True)
+    assert conf.stdout.strip() == url
+
+
+def _course_copy(tmp_path: Path) -> Path:
+    """A small course: pyproject, README, lesson 00 in English and 中文 with its catalogue, exercise 01."""
+    for rel in ["pyproject.toml", "README.md", "notebooks/00_start_here.ipynb", "notebooks/zh/00_start_here.ipynb",
+                "notebooks/zh/po/00_start_here.po", "solutions/ex01_memory_formulas.ipynb",
+                "exercises/ex01_memory_formulas.ipynb"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, tmp_path / rel)
+    return tmp_path
+
+
+def _without(text: str, *needles: str) -> list[str]:
+    return [line for line in text.splitlines() if not any(n in line for n in needles)]
+
+
+def test_a_new_repository_url_is_restamped_everywhere_with_one_command(tmp_path, monkeypatch, capsys):
+    """Change the declaration, run `python scripts/setup_cell.py` once: every badge and setup cell names the new
+    repository, nothing names the old one, and nothing else in those files moved (the lessons' own cells, the other
+    catalogue entries, the rest of the README). A second run changes nothing."""
+    root = _course_copy(tmp_path)
+    old = _declared_url()
+    new = "https://github.com/example-org/zeroedu-course"
+    pyproject = root / "pyproject.toml"
+    assert pyproject.read_text().count(f'Repository = "{old}"') == 1
+    pyproject.write_text(pyproject.read_text().replace(f'Repository = "{old}"', f'Repository = "{new}"'))
+    before = {p: p.read_text(encoding="utf-8") for p in _stamped_files(root)}
+    monkeypatch.setattr(setup_cell, "ROOT", root)
+    assert setup_cell.main(["--check"]) == 1          # the copies are stale until re-stamped
+    assert setup_cell.main([]) == 0
+    assert "4 of 4 notebooks updated, and the README (repository " + new in capsys.readouterr().out
+    after = {p: p.read_text(encoding="utf-8") for p in before}
+    old_repo, new_repo = old.removeprefix("https://github.com/"), new.removeprefix("https://github.com/")
+    for path, text in after.items():
+        links = _course_links(path)
+        assert set(links["colab"]) | set(links["binder"]) == {new_repo}, (path, links)
+        assert old_repo not in text, path
+        assert links["source"] == ([new] if path.suffix == ".ipynb" else []), path
+        if path.suffix == ".ipynb":   # the cells below the two stamped ones are untouched
+            assert json.loads(text)["cells"][2:] == json.loads(before[path])["cells"][2:], path
+        else:                          # README and catalogue: only the lines that name the repository changed
+            assert _without(text, old_repo, new_repo) == _without(before[path], old_repo, new_repo), path
+    assert setup_cell.main(["--check"]) == 0
+    assert setup_cell.main([]) == 0 and {p: p.read_text(encoding="utf-8") for p in before} == after
+
+
+def test_a_repository_url_colab_cannot_open_is_refused(tmp_path, monkeypatch):
+    root = _course_copy(tmp_path)
+    pyproject = root / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace(f'Repository = "{_declared_url()}"',
+                                                       'Repository = "git@gitee.com:zeroedu/zeroedu.git"'))
+    monkeypatch.setattr(setup_cell, "ROOT", root)
+    with pytest.raises(SystemExit, match=r"\[project.urls\] Repository is 'git@gitee.com:zeroedu/zeroedu.git'; "
+                                         r"it must be the course's GitHub URL"):
+        setup_cell.main([])
 
 
 def _run_cell(env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
