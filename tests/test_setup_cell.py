@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import time
 from pathlib import Path
@@ -220,6 +221,59 @@ def test_setup_cell_refuses_a_torch_outside_the_range(tmp_path):
     assert proc.returncode != 0
     assert "torch 2.5.1+cu121 is outside zeroedu's range, 2.8 to 2.15" in proc.stderr, proc.stderr
     assert "pip install torch==2.13.0" in proc.stderr and not (tmp_path / "zeroedu").exists()
+
+
+@pytest.mark.timeout(150)
+def test_setup_cell_with_a_missing_wheel_stops_before_installing(tmp_path):
+    env = _clean_env(tmp_path, PYTHONPATH=str(ROOT), ZEROEDU_SETUP="force",
+                     ZEROEDU_SOURCE=str(tmp_path / "zeroedu-0.1.0-py3-none-any.whl"))
+    proc = _run_cell(env, tmp_path)
+    assert proc.returncode != 0
+    assert f"nothing installed: there is no wheel at {tmp_path}/zeroedu-0.1.0-py3-none-any.whl" in proc.stderr, \
+        proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(600)
+def test_setup_cell_installs_from_a_wheel_and_the_same_kernel_imports_it(tmp_path):
+    """Where GitHub is slow or blocked (a ModelScope runtime), ZEROEDU_SOURCE names a wheel. A venv that sees this
+    environment's packages (torch, numpy, ...) but not zeroedu stands in for the runtime: the cell installs the
+    wheel beside that torch, and the same process then imports zeroedu from the venv, not from this checkout."""
+    src = tmp_path / "src"   # the package's files, built into a wheel as a release would be
+    for rel in ["pyproject.toml", "README.md"]:
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, src / rel)
+    shutil.copytree(ROOT / "zeroedu", src / "zeroedu", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "dist"), str(src)], check=True, timeout=300, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("zeroedu-*.whl")
+    # the runtime's packages: everything installed here but zeroedu, seen through a .pth file
+    host = tmp_path / "host"
+    host.mkdir()
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    for entry in purelib.iterdir():
+        if "zeroedu" not in entry.name:
+            (host / entry.name).symlink_to(entry)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    site = Path(subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    (site / "runtime.pth").write_text(f"{host}\n")
+    probe = "import importlib.metadata as m, importlib.util as u; print(m.version('torch'), u.find_spec('zeroedu'))"
+    env = {k: v for k, v in _clean_env(tmp_path).items() if k not in {"PYTHONPATH", "VIRTUAL_ENV"}}
+    before = subprocess.run([py, "-c", probe], capture_output=True, text=True, check=True, env=env,
+                            cwd=tmp_path).stdout.split()
+    assert before[1] == "None", before   # the runtime has no zeroedu
+    code = setup_cell.cell_source() + "\nimport zeroedu, torch\nprint('IMPORTED', zeroedu.__file__, torch.__version__)"
+    proc = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=540, cwd=tmp_path,
+                          env={**env, "ZEROEDU_SOURCE": str(wheel)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"zeroedu installed from {wheel}, beside torch {before[0]}." in proc.stdout, proc.stdout
+    imported = proc.stdout.split("IMPORTED ")[1].split()
+    assert imported[0].startswith(str(site / "zeroedu")) and imported[1] == before[0], imported
+    assert sorted(p.name for p in host.iterdir()) == sorted(e.name for e in purelib.iterdir() if "zeroedu" not in
+                                                            e.name)   # the runtime's own packages: untouched
 
 
 # -- done when: a fresh venv with another Python and another torch --------------------------------------------------
