@@ -15,10 +15,14 @@ from pathlib import Path
 
 import cloudpickle
 import pytest
-import tomllib
 
 from zeroedu import doctor
 from zeroedu.doctor import FAIL, OK, WARN, Result
+
+try:
+    import tomllib
+except ModuleNotFoundError:   # Python 3.10: the test extra installs tomli, tomllib's origin
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
