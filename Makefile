@@ -134,6 +134,13 @@ MATRIX_TESTS ?= tests
 MATRIX_BIN := $(MATRIX_VENV)/bin
 MATRIX_STAMP := $(MATRIX_VENV)/.installed-$(MATRIX_TORCH)
 
+define MATRIX_EXTRAS
+import re
+block = re.search(r"^test = \[(.*?)^\]", open("pyproject.toml").read(), re.M | re.S).group(1)
+print("\n".join(r for r in re.findall(r'^\s*"([^"]+)"', block, re.M) if not r.startswith("deepspeed")))
+endef
+export MATRIX_EXTRAS
+
 # the venv, once per torch version (make clean removes it)
 $(MATRIX_STAMP):
 	@test -n "$(MATRIX_PY)" || { echo "test-matrix: no python3.12 found; set MATRIX_PY=/path/to/python3.x (another Python than .venv's)"; exit 1; }
@@ -141,7 +148,10 @@ $(MATRIX_STAMP):
 	$(MATRIX_PY) -m venv $(MATRIX_VENV)
 	$(MATRIX_BIN)/pip install --quiet --upgrade pip
 	$(MATRIX_BIN)/pip install --quiet --find-links $(MATRIX_WHEELS) torch==$(MATRIX_TORCH)
-	$(MATRIX_BIN)/pip install --quiet -e . 'pytest>=8,<10' 'pytest-timeout>=2.3,<3' 'nbval>=0.11,<1' 'ruff>=0.6'
+	# the course and its test extra as `make` installs them, but DeepSpeed (pip would build it in an isolated
+	# environment with a torch of its own): the list is read from pyproject.toml's `test = [...]`
+	$(MATRIX_BIN)/python -c "$$MATRIX_EXTRAS" > $(MATRIX_VENV)/test-extras.txt
+	$(MATRIX_BIN)/pip install --quiet -e . -r $(MATRIX_VENV)/test-extras.txt
 	# DeepSpeed builds against the torch present (no build isolation); where it cannot, its tests skip
 	-$(MATRIX_BIN)/pip install --quiet --no-build-isolation 'deepspeed==0.19.8'
 	touch $(MATRIX_STAMP)
@@ -156,8 +166,9 @@ test-matrix: $(MATRIX_STAMP)
 	$(MATRIX_BIN)/python -m pytest -q -m "not slow" $(MATRIX_TESTS)
 	$(MATRIX_BIN)/python -m pytest -q --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(MATRIX_NOTEBOOKS)
 	@date -u; echo "== matrix passed: $$($(MATRIX_BIN)/python --version), torch $(MATRIX_TORCH)"
-	# the hosted path: a notebook's setup cell in a fresh venv that has this other torch (tests/test_setup_cell.py)
-	ZEROEDU_MATRIX=1 MATRIX_PY=$(MATRIX_PY) MATRIX_TORCH=$(MATRIX_TORCH) MATRIX_WHEELS=$(MATRIX_WHEELS) \
+	# the hosted path: a notebook's setup cell in a fresh venv that has this other torch (tests/test_setup_cell.py;
+	# MATRIX_SETUP_CELL=0 leaves it out, it builds one more venv)
+	$(if $(filter 0,$(MATRIX_SETUP_CELL)),@echo "== setup-cell check left out (MATRIX_SETUP_CELL=0)"; exit 0;) ZEROEDU_MATRIX=1 MATRIX_PY=$(MATRIX_PY) MATRIX_TORCH=$(MATRIX_TORCH) MATRIX_WHEELS=$(MATRIX_WHEELS) \
 	  $(BIN)/python -m pytest -q tests/test_setup_cell.py -k installs_beside_another_torch
 
 clean:

@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     result = {
         "dry_run": a.dry,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({cpu_name()})",
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
         "sections": {},

@@ -15,12 +15,19 @@ from pathlib import Path
 
 import cloudpickle
 import pytest
-import tomllib
 
 from zeroedu import doctor
 from zeroedu.doctor import FAIL, OK, WARN, Result
 
+try:
+    import tomllib
+except ModuleNotFoundError:   # Python 3.10: the test extra installs tomli, tomllib's origin
+    import tomli as tomllib
+
 ROOT = Path(__file__).resolve().parents[1]
+# the Pythons the course has run its tests on (docs/instructors.md, the matrix): ok there, a warning elsewhere in range
+TESTED_PYTHONS = {(3, 11), (3, 12)}
+HERE_PYTHON_STATUS = OK if sys.version_info[:2] in TESTED_PYTHONS else WARN
 BIN = Path(sys.executable).parent
 GiB = 2**30
 
@@ -48,7 +55,7 @@ def test_python():
     from packaging.specifiers import SpecifierSet
 
     requires = SpecifierSet(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"])
-    assert doctor.check_python().status == OK  # the course's venv is 3.11
+    assert doctor.check_python().status == HERE_PYTHON_STATUS
     assert doctor.check_python((3, 11, 0)).status == OK
     for v in [(3, 9, 18), (3, 10, 14), (3, 12, 1), (3, 13, 0), (3, 14, 2), (3, 15, 0)]:
         row = doctor.check_python(v)
@@ -64,7 +71,10 @@ def test_torch_against_pyproject_range():
     assert doctor._torch_pin() == pin
     real = doctor.check_torch()
     assert real.status == OK and real.data["pin"] == pin
-    assert ("CPU build" in real.detail) == (real.data["cuda"] is None)
+    if real.data["cuda"] is None:   # the course's CPU build; a matrix venv has PyPI's CUDA build
+        assert "CPU build" in real.detail, real
+    else:
+        assert f"CUDA {real.data['cuda']} build" in real.detail, real
     assert doctor.check_torch("2.13.0+cpu", None, "2.13.0", nvidia_gpus=0).status == OK
     assert doctor.check_torch("2.14.1", None, "2.13.0", nvidia_gpus=0).status == OK    # the matrix's torch
     assert "CUDA 12.6 build" in doctor.check_torch("2.13.0+cu126", "12.6", "2.13.0", nvidia_gpus=1).detail
@@ -109,7 +119,9 @@ def test_nvidia_smi_is_read_without_torch(tmp_path, monkeypatch):
     assert_problem(row, WARN, "nvidia-smi sees 2 GPU(s) but torch sees none", "CUDA build")
     assert len(row.data["driver_gpus"]) == 2
     torch_row = doctor.check_torch()
-    assert torch_row.data["nvidia_gpus"] == 2 and torch_row.status == WARN and "whl/cpu" not in torch_row.fix
+    assert torch_row.data["nvidia_gpus"] == 2 and "whl/cpu" not in torch_row.fix
+    # a CPU build beside two GPUs is a warning; PyPI's CUDA build (a matrix venv) is what those GPUs want
+    assert torch_row.status == (WARN if torch_row.data["cuda"] is None else OK), torch_row
     monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path, "NVIDIA-SMI has failed", code=9)["PATH"])
     assert doctor._nvidia_smi() is None  # no working driver: as if absent
 
@@ -129,7 +141,7 @@ def test_doctor_runs_without_torch(tmp_path):
     report = json.loads(proc.stdout)
     rows = {c["check"]: c for c in report["checks"]}
     assert report["ok"] is False and "torch" in report["verdict"]
-    assert rows["python"]["status"] == OK
+    assert rows["python"]["status"] == HERE_PYTHON_STATUS
     assert rows["torch"]["status"] == FAIL and "No module named 'torch'" in rows["torch"]["detail"]
     if sys.platform.startswith("linux"):
         assert "--index-url https://download.pytorch.org/whl/cpu" in rows["torch"]["fix"]

@@ -8,6 +8,7 @@ shows what the notebooks saved.
 from __future__ import annotations
 
 import os
+import re
 
 project = "zeroedu"
 author = "the zeroedu authors"
@@ -22,10 +23,17 @@ html_static_path = [os.path.join(os.path.dirname(__file__), "_static")]
 html_css_files = ["zeroedu.css"]
 html_theme = "sphinx_book_theme"
 html_title = "zeroedu"
+# the course's repository, declared once in pyproject.toml [project.urls] (read with a regex: tomllib is 3.11+)
+_PYPROJECT = os.path.join(os.path.dirname(__file__), "..", "..", "pyproject.toml")
+with open(_PYPROJECT, encoding="utf-8") as _f:
+    REPOSITORY = re.search(r'^Repository\s*=\s*"([^"]+)"', _f.read(), re.MULTILINE).group(1)
 html_theme_options = {
     "article_header_end": ["langswitch.html", "article-header-buttons.html"],
     "show_toc_level": 2,
     "use_download_button": True,
+    "repository_url": REPOSITORY,
+    "repository_branch": "main",
+    "use_repository_button": True,
 }
 BOOK_LANG = os.environ.get("ZEROEDU_BOOK_LANG", "en")
 OTHER = {"en": ("zh", "中文"), "zh": ("en", "English")}[BOOK_LANG]
