@@ -6,9 +6,10 @@
     .venv/bin/python scripts/stamp_times.py --render-only    # rewrite the headers from notebooks/timings.json
 
 Each lesson (the English notebook) runs top to bottom with nbclient, in notebooks/, as a learner's Jupyter would;
-its wall time, from kernel start to the last cell, goes into notebooks/timings.json with the machine, the load
-average (the highest of the 1-minute averages read before and after the run) and the date. A run at a load average
-above half the cores is recorded as "under load": its number is not an idle machine's, and the header says so.
+its wall time, from kernel start to the last cell, goes into notebooks/timings.json with the machine, the
+work other jobs kept busy just before the run (cores' worth, sampled from /proc/stat over 3 s, so the lesson's own
+ranks never count as load) and the date. A run that started with more than a quarter of the cores busy is recorded as
+"under load": its number is not an idle machine's, and the header says so.
 
 The header's time sentence is the one that starts with **Running time:** (English) and **运行时间：** (the lesson's
 msgstr in notebooks/zh/po/NN_name.po); it ends at the first full stop outside parentheses. Only that sentence is
@@ -58,20 +59,20 @@ def sentence_span(text: str, start: str, stop: str) -> tuple[int, int]:
 
 
 def render_en(entry: dict) -> str:
-    s, load, cores, day = entry["seconds"], entry["load_average"], entry["cores"], entry["date"][:10]
+    s, busy, cores, day = entry["seconds"], entry["others_busy_cores"], entry["cores"], entry["date"][:10]
     if entry["under_load"]:
         return (f"{EN_START} about {s:.0f} s, measured on a {cores}-core CPU under load (the whole notebook with "
-                f"nbclient, load average {load:.0f} from other jobs, {day}); an idle machine is faster.")
-    return (f"{EN_START} about {s:.0f} s, measured on a {cores}-core CPU (the whole notebook with nbclient, load "
-            f"average {load:.1f}, {day}).")
+                f"nbclient; other jobs kept {busy:.1f} cores busy as it started, {day}); an idle machine is faster.")
+    return (f"{EN_START} about {s:.0f} s, measured on an otherwise idle {cores}-core CPU (the whole notebook with "
+            f"nbclient, {day}).")
 
 
 def render_zh(entry: dict) -> str:
-    s, load, cores, day = entry["seconds"], entry["load_average"], entry["cores"], entry["date"][:10]
+    s, busy, cores, day = entry["seconds"], entry["others_busy_cores"], entry["cores"], entry["date"][:10]
     if entry["under_load"]:
-        return (f"{ZH_START} 约 {s:.0f} s，有负载时测得（{day}，{cores} 核 CPU 与其他任务共用、负载 {load:.0f}，"
-                f"用 nbclient 跑完整个 notebook）；空闲的机器会更快。")
-    return f"{ZH_START} 约 {s:.0f} s（{day}，{cores} 核 CPU、负载 {load:.1f}，用 nbclient 跑完整个 notebook）。"
+        return (f"{ZH_START} 约 {s:.0f} s，有负载时测得（{day}，{cores} 核 CPU 与其他任务共用，开始时其他任务占用约 "
+                f"{busy:.1f} 个核，用 nbclient 跑完整个 notebook）；空闲的机器会更快。")
+    return f"{ZH_START} 约 {s:.0f} s（{day}，在空闲的 {cores} 核 CPU 上用 nbclient 跑完整个 notebook）。"
 
 
 def replace_sentence(text: str, start: str, stop: str, new: str) -> str:
@@ -91,22 +92,37 @@ def machine() -> tuple[str, int]:
     return f"{cpu}, {cores} cores, {platform.system()}, Python {platform.python_version()}", cores
 
 
+def others_busy_cores(cores: int, seconds: float = 3.0) -> float:
+    """Cores' worth of CPU other processes used over `seconds`, from /proc/stat (the load average would also count
+    the previous lesson's ranks for a minute after they exit); the 1-minute load average where /proc is missing."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # total, idle + iowait
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except OSError:
+        return os.getloadavg()[0]
+    return cores * (1 - (idle1 - idle0) / max(1, total1 - total0))
+
+
 def run_lesson(path: Path, timeout: int, save_outputs: bool) -> dict:
     """Run one notebook with nbclient; return its timings.json entry."""
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
     what, cores = machine()
-    load_before = os.getloadavg()[0]
+    busy = others_busy_cores(cores)
     t0 = time.perf_counter()
     NotebookClient(nb, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     seconds = time.perf_counter() - t0
-    load = max(load_before, os.getloadavg()[0])
     if save_outputs:
         nbformat.write(nb, path)
-    return {"seconds": round(seconds, 1), "load_average": round(load, 1), "cores": cores, "machine": what,
-            "under_load": load > cores / 2, "conditions": "under load" if load > cores / 2 else "quiet",
+    return {"seconds": round(seconds, 1), "others_busy_cores": round(busy, 2), "cores": cores, "machine": what,
+            "under_load": busy > cores / 4, "conditions": "under load" if busy > cores / 4 else "quiet",
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "how": "nbclient, the whole English notebook, kernel start to last cell"}
 
@@ -172,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             entry = run_lesson(path, args.timeout, args.save_outputs)
             timings["lessons"][path.stem] = entry
             timings_path().write_text(json.dumps(timings, indent=1, ensure_ascii=False, sort_keys=True) + "\n")
-            print(f"{path.stem}: {entry['seconds']:.0f} s at load average {entry['load_average']}"
+            print(f"{path.stem}: {entry['seconds']:.0f} s with {entry['others_busy_cores']} cores busy before it"
                   + (" (under load)" if entry["under_load"] else ""), flush=True)
         stamp(path, timings["lessons"][path.stem])
     return 0

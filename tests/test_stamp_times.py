@@ -65,7 +65,7 @@ def test_stamp_rewrites_only_the_time_sentence(tmp_path, monkeypatch):
     monkeypatch.setattr(ed, "PO", root / "zh" / "po")
     copy = root / english.name
     before = nbformat.read(copy, as_version=4)
-    entry = {"seconds": 12.4, "load_average": 7.0, "cores": 2, "under_load": True, "conditions": "under load",
+    entry = {"seconds": 12.4, "others_busy_cores": 1.7, "cores": 2, "under_load": True, "conditions": "under load",
              "date": "2026-12-06T09:00:00+00:00", "machine": "test", "how": "test"}
     stamp_times.stamp(copy, entry)
     after = nbformat.read(copy, as_version=4)
@@ -78,10 +78,10 @@ def test_stamp_rewrites_only_the_time_sentence(tmp_path, monkeypatch):
         k, m = stamp_times.sentence_span(a.source, stamp_times.EN_START, ".")
         assert (b.source[:i], b.source[j:]) == (a.source[:k], a.source[m:])
         assert a.source[k:m] == ("**Running time:** about 12 s, measured on a 2-core CPU under load (the whole "
-                                 "notebook with nbclient, load average 7 from other jobs, 2026-12-06); an idle machine "
-                                 "is faster.")
+                                 "notebook with nbclient; other jobs kept 1.7 cores busy as it started, 2026-12-06); "
+                                 "an idle machine is faster.")
     zh = nbformat.read(root / "zh" / english.name, as_version=4)
-    assert "**运行时间：** 约 12 s，有负载时测得（2026-12-06，2 核 CPU 与其他任务共用、负载 7，" in \
+    assert "**运行时间：** 约 12 s，有负载时测得（2026-12-06，2 核 CPU 与其他任务共用，开始时其他任务占用约 1.7 个核，" in \
         next(c.source for c in zh.cells if c.id == _header(english).id)
 
 
