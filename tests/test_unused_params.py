@@ -71,17 +71,20 @@ def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(WORLD * MICRO, 8, generator=g), torch.randn(WORLD * MICRO, 4, generator=g)
 
 
-def _train(rank: int, world_size: int, stage: int, leaf: bool = False,
+def _train(rank: int, world_size: int, stage: int, leaf: bool | str = False,
            routing=None) -> dict[str, torch.Tensor]:
+    """leaf: True marks Mixture with set_z3_leaf_modules, "config" names it in zero_optimization.leaf_module."""
     routing = routing or (lambda rank, step: (route(rank, step), rank == 1))
     model = Routed()
-    if leaf:
+    if leaf is True:
         zeroedu.zero.set_z3_leaf_modules(model, [Mixture])
+    zero = {"stage": stage, "reduce_bucket_size": EXPERT, "stage3_param_persistence_threshold": 0}
+    if leaf == "config":
+        zero["leaf_module"] = {"classes": ["Mixture"]}
     engine, *_ = zeroedu.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "Adam", "params": {"lr": LR}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": EXPERT,
-                              "stage3_param_persistence_threshold": 0}})
+        "zero_optimization": zero})
     for step in range(STEPS):
         x, y = data(step)
         mine = slice(rank * MICRO, (rank + 1) * MICRO)
@@ -112,9 +115,10 @@ def reference() -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-@pytest.mark.parametrize("stage,leaf", [(0, False), (1, False), (2, False), (3, True)])
+@pytest.mark.parametrize("stage,leaf", [(0, False), (1, False), (2, False), (3, True), (3, "config")])
 def test_parameters_used_on_some_ranks_match_a_single_process(stage, leaf):
-    """Stages 0-2 as they are; stage 3 with the routed modules in a leaf (set_z3_leaf_modules), as in DeepSpeed."""
+    """Stages 0-2 as they are; stage 3 with the routed modules in a leaf, marked by set_z3_leaf_modules or named in
+    the config's zero_optimization.leaf_module, as in DeepSpeed."""
     ref = reference()
     results = zeroedu.launch(_train, WORLD, args=(stage, leaf), timeout=300)
     for rank, got in enumerate(results):
@@ -186,3 +190,41 @@ def test_leaf_classes_may_be_named_as_in_deepspeed():
         zeroedu.zero.set_z3_leaf_modules(Routed(), ["Bilinear"])
     with pytest.raises(TypeError, match="module classes or their names"):
         zeroedu.zero.set_z3_leaf_modules(Routed(), [3])
+
+
+@pytest.mark.parametrize("entries", [
+    None,                                                   # DeepSpeed's default classes: none in this model
+    {"classes": ["Mixture"]},
+    {"classes": "Mixture"},                                 # one string, as DeepSpeed's validator accepts
+    {"classes": [f"{Mixture.__module__}.Mixture"]},
+    {"names": ["mix.experts.1", "out"]},
+    {"name_suffixes": ["extra"]},
+    {"classes": ["Bilinear"], "names": ["nowhere"], "name_suffixes": ["zzz"]},   # matches nothing
+])
+def test_the_config_leaf_module_marks_what_deepspeeds_engine_marks(entries):
+    """zero_optimization.leaf_module read by zeroedu's config and applied at initialize marks the modules that
+    DeepSpeed 0.19.8's engine marks (apply_zero_leaf_module_config on its parsed DeepSpeedZeroLeafModuleConfig)."""
+    ds_leaf = pytest.importorskip("deepspeed.utils.z3_leaf_module")
+    from deepspeed.runtime.zero.leaf_module_config import DeepSpeedZeroLeafModuleConfig
+
+    cfg = zeroedu.load_config({"train_micro_batch_size_per_gpu": 1,
+                               "zero_optimization": {"stage": 3, **({"leaf_module": entries} if entries else {})}})
+    ours, theirs = Routed(), Routed()
+    marked, notes = zeroedu.zero.apply_leaf_module_config(ours, cfg.zero_optimization.leaf_module or {})
+    ds_leaf.apply_zero_leaf_module_config(theirs, DeepSpeedZeroLeafModuleConfig(**(entries or {})))
+    leaves = [[n for n, m in model.named_modules() if getattr(m, "_z3_leaf", False)] for model in (ours, theirs)]
+    assert leaves[0] == leaves[1]
+    assert sorted(id(m) for m in marked) == sorted(id(m) for m in ours.modules() if getattr(m, "_z3_leaf", False))
+    if entries and "Bilinear" in entries.get("classes", []):
+        assert leaves[0] == [] and len(notes) == 3, notes
+        assert "'nowhere'" in notes[0] and "'zzz'" in notes[1] and "matched no module" in notes[2]
+    else:
+        assert notes == []
+
+
+def test_a_malformed_leaf_module_is_refused_with_its_fields():
+    for bad, words in [({"class": ["Mixture"]}, "no field 'class'"), ({"classes": [Mixture]}, "list of strings"),
+                       (["Mixture"], "must be an object")]:
+        with pytest.raises(zeroedu.ConfigError, match=words):
+            zeroedu.load_config({"train_micro_batch_size_per_gpu": 1,
+                                 "zero_optimization": {"stage": 3, "leaf_module": bad}})

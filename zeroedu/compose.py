@@ -16,6 +16,7 @@ from zeroedu.engine.extras.offload import OffloadMixin
 from zeroedu.engine.extras.zeropp import ZeroPPMixin
 from zeroedu.engine.stages import STAGES
 from zeroedu.launch import init_distributed
+from zeroedu.zero import apply_leaf_module_config
 
 
 def engine_class(cfg) -> type:
@@ -68,7 +69,10 @@ def initialize(model: torch.nn.Module | None = None, config=None, model_paramete
                                "(zeroedu.launch or torchrun do it): start the ranks that way, or leave the argument "
                                "out to let zeroedu start a world of one here.")
         init_distributed()
-    client.freeze_left_out(model, left_out, lambda line: print(line) if dist.get_rank() == 0 else None)
+    say = lambda line: print(line) if dist.get_rank() == 0 else None  # noqa: E731
+    client.freeze_left_out(model, left_out, say)
+    for note in apply_leaf_module_config(model, cfg.zero_optimization.leaf_module or {})[1]:
+        say(note)
     engine = engine_class(cfg)(model, cfg)
     if lr_scheduler is not None:
         engine.lr_scheduler = client.wrap_scheduler(lr_scheduler, optimizer, engine.optimizer)

@@ -353,7 +353,9 @@ def _disk_probe(path: str, mb: int) -> float:
 
 
 def check_loopback(host: str = "127.0.0.1", timeout: float = 5.0) -> Result:
-    """The rendezvous launch() uses: a TCPStore bound to loopback, joined by a client, one key set and read."""
+    """TCP on loopback, which gloo's transport uses between ranks (launch() pins gloo to the loopback interface;
+    the ranks meet through a FileStore in the run's 0700 folder): a TCPStore bound to loopback, joined by a
+    client, one key set and read."""
     fix = (f"allow TCP on {host} (loopback) in the firewall or sandbox; zeroedu listens on no other address")
     try:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -187,6 +187,51 @@ def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list[type |
     return found
 
 
+# DeepSpeed 0.19.8's default leaf classes (runtime/zero/leaf_module_config.py): Hugging Face's sparse MoE blocks,
+# whose experts run differently from rank to rank. Its engine marks them whether or not a config names any.
+DEFAULT_LEAF_MODULE_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+
+def apply_leaf_module_config(model: torch.nn.Module,
+                             entries: dict[str, list[str]]) -> tuple[list[torch.nn.Module], list[str]]:
+    """Mark the leaves a config's zero_optimization.leaf_module names, as DeepSpeed's engine does at initialize
+    (deepspeed.utils.z3_leaf_module.apply_zero_leaf_module_config): `classes` (DeepSpeed's three MoE blocks when
+    left out), `names` from model.named_modules(), and `name_suffixes`. Returns the modules marked and the notes
+    to show: an entry the config gave that matched nothing (DeepSpeed logs a warning and goes on)."""
+    given = {k: v for k, v in entries.items() if v is not None}
+    classes = given.get("classes", list(DEFAULT_LEAF_MODULE_CLASSES))
+    named = dict(model.named_modules())
+    marked: dict[int, torch.nn.Module] = {}
+    notes = []
+    for m in set_z3_leaf_modules(model, classes, raise_if_not_found=False) if classes else []:
+        marked[id(m)] = m
+    for n in given.get("names", []):
+        if n in named:
+            named[n]._z3_leaf = True
+            marked.setdefault(id(named[n]), named[n])
+        else:
+            notes.append(f"zero_optimization.leaf_module.names: no module named {n!r} in this model (names are "
+                         f"model.named_modules()'s, such as {next(iter(list(named)[1:]), '')!r}); it marks nothing.")
+    for suffix in given.get("name_suffixes", []):
+        hits = [m for n, m in named.items() if n.endswith(suffix)]
+        for m in hits:
+            m._z3_leaf = True
+            marked.setdefault(id(m), m)
+        if not hits:
+            notes.append(f"zero_optimization.leaf_module.name_suffixes: no module name ends with {suffix!r}; "
+                         "it marks nothing.")
+    customized = any(given.get(k, d) != d for k, d in
+                     (("classes", list(DEFAULT_LEAF_MODULE_CLASSES)), ("names", []), ("name_suffixes", [])))
+    if not marked and customized:
+        notes.append("zero_optimization.leaf_module matched no module of this model: stage 3 gathers module by "
+                     "module as usual.")
+    return list(marked.values()), notes
+
+
 class GatheredParameters:
     """Make partitioned parameters whole for a `with` block; with `modifier_rank`, keep rank r's changes.
 
@@ -307,4 +352,5 @@ def consolidated_16bit_state_dict(engine) -> dict[str, torch.Tensor] | None:
     return out if engine.rank == 0 else None
 
 
-__all__ = ["GatheredParameters", "Init", "adopt", "consolidated_16bit_state_dict", "full_shape", "is_partitioned"]
+__all__ = ["DEFAULT_LEAF_MODULE_CLASSES", "GatheredParameters", "Init", "adopt", "apply_leaf_module_config",
+           "consolidated_16bit_state_dict", "full_shape", "is_partitioned", "set_z3_leaf_modules"]

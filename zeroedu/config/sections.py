@@ -39,6 +39,31 @@ def _is(value: Any) -> Any:
     return lambda v: v == value
 
 
+LEAF_MODULE_FIELDS = ("classes", "names", "name_suffixes")
+
+
+def leaf_module_entries(value: Any, name: str) -> dict[str, list[str]]:
+    """zero_optimization.leaf_module as DeepSpeed 0.19.8 reads it (runtime/zero/leaf_module_config.py): an object
+    with `classes` (class names, plain or module-qualified), `names` (names from model.named_modules()) and
+    `name_suffixes`, each a string or a list of strings; a field left out keeps DeepSpeed's default."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"'{name}' must be an object such as {{\"classes\": [\"MyMoEBlock\"]}} (fields "
+                          f"{', '.join(LEAF_MODULE_FIELDS)}), got {value!r}.")
+    unknown = sorted(set(value) - set(LEAF_MODULE_FIELDS))
+    if unknown:
+        raise ConfigError(f"'{name}' has no field {', '.join(map(repr, unknown))}: its fields are "
+                          f"{', '.join(LEAF_MODULE_FIELDS)} (DeepSpeed's DeepSpeedZeroLeafModuleConfig).")
+    out = {}
+    for field, v in value.items():
+        v = [v] if isinstance(v, str) else v
+        if not isinstance(v, list | tuple) or not all(isinstance(x, str) for x in v):
+            raise ConfigError(f"'{name}.{field}' must be a string or a list of strings, got {v!r}.")
+        out[field] = list(dict.fromkeys(v))
+    return out
+
+
 def _betas(value: Any, name: str) -> tuple[float, float]:
     ok = isinstance(value, list | tuple) and len(value) == 2
     if not ok or not all(isinstance(b, int | float) and not isinstance(b, bool) and 0 <= b < 1 for b in value):
@@ -368,13 +393,12 @@ class ZeroConfig:
     save_muon_momentum_buffer_in_memory: bool | None = key(
         None, boolean, ds=False, note_if=bool, note="Muon is not one of zeroedu's optimizers, so there is no Muon "
                                                     "momentum buffer to keep")
+    # DeepSpeed's default is an object whose `classes` are three Hugging Face MoE blocks; null here means that
+    # default, applied at initialize (zeroedu.zero.apply_leaf_module_config).
+    leaf_module: dict | None = key(None, lambda v, name: leaf_module_entries(v, name))
     # Refused: they ask for something zeroedu does not do.
     pipeline_loading_checkpoint: bool | None = key(None, refuse="loading a checkpoint in pipeline mode belongs to "
                                                                 "pipeline parallelism", off=_is(False))
-    leaf_module: dict | None = key(
-        None, refuse="ZeRO-3 leaf modules (a module gathered whole with its children) are not implemented: "
-                     "zeroedu's stage-3 unit is always one module's own parameters",
-        off=lambda v: isinstance(v, dict) and not any(v.values()))
     zenflow: dict | None = key(None, refuse="ZenFlow (update the most important gradients on the device at once and "
                                             "the rest later on the CPU) changes the optimizer's schedule; zeroedu "
                                             "steps every parameter at every step")
