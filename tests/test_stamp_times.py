@@ -81,7 +81,8 @@ def test_stamp_rewrites_only_the_time_sentence(tmp_path, monkeypatch):
                                  "notebook with nbclient; other jobs kept 1.7 cores busy as it started, 2026-12-06); "
                                  "an idle machine is faster.")
     zh = nbformat.read(root / "zh" / english.name, as_version=4)
-    assert "**运行时间：** 约 12 s，有负载时测得（2026-12-06，2 核 CPU 与其他任务共用，开始时其他任务占用约 1.7 个核，" in \
+    assert ("**运行时间：** 约 12 s，有负载时测得（2026-12-06，2 核 CPU 与其他任务共用，"
+            "开始时其他任务占用约 1.7 个核，") in \
         next(c.source for c in zh.cells if c.id == _header(english).id)
 
 
