@@ -42,13 +42,14 @@ def _rank(rank: int, world: int, stages: list[int], rounds: int, warmup: int, mb
         engines["on"].comm.agreement.check = timed_check
         routing = getattr(getattr(engines["on"], "units", None), "routing", None)
         if routing is not None:   # stage 3 also asks before every gather (zeroedu.engine.stages.routing)
-            inside.update(asks=0, ask_cpu=0.0, wait=0.0)
+            inside.update(asks=0, gathers=0, ask_cpu=0.0, wait=0.0)
             ask = routing.ask
 
-            def timed_ask(part, ask=ask, inside=inside):
-                c0 = time.thread_time()
+            def timed_ask(part, ask=ask, inside=inside, routing=routing):
+                c0, asked = time.thread_time(), routing.count
                 answer = ask(part)
-                inside["asks"] += 1
+                inside["asks"] += routing.count - asked   # 0 once the ranks stop asking (Agreement.watch_gathers)
+                inside["gathers"] += 1
                 inside["ask_cpu"] += time.thread_time() - c0
 
                 def timed_answer() -> None:   # on the comm thread, just before the gather
@@ -79,6 +80,7 @@ def _rank(rank: int, world: int, stages: list[int], rounds: int, warmup: int, mb
         out[stage] = {"ratio": ratio, "on_ms": 1e3 * sorted(times["on"])[rounds // 2],
                       "off_ms": 1e3 * sorted(times["off"])[rounds // 2], "check_ms": 1e3 * inside["on"] / rounds,
                       "check_cpu_ms": 1e3 * inside["cpu"] / rounds, "asks": inside.get("asks", 0) / rounds,
+                      "gathers": inside.get("gathers", 0) / rounds,
                       "ask_cpu_ms": 1e3 * inside.get("ask_cpu", 0.0) / rounds,
                       "ask_wait_ms": 1e3 * inside.get("wait", 0.0) / rounds}
     return out
@@ -98,9 +100,10 @@ def main() -> None:
         print(f"{stage:>5}  {r['on_ms']:>27.2f}  {r['off_ms']:>7.2f}  {r['ratio']:>17.4f}  {r['check_ms']:.3f} ms, "
               f"{r['check_cpu_ms']:.3f} ms")
     for stage, r in res.items():
-        if r["asks"]:
-            print(f"stage {stage}: {r['asks']:.0f} gathers asked about per step; CPU in the asks "
-                  f"{r['ask_cpu_ms']:.3f} ms, the comm thread's wait for the answers {r['ask_wait_ms']:.3f} ms")
+        if r["gathers"]:
+            print(f"stage {stage}: {r['gathers']:.0f} gathers per step, {r['asks']:.1f} of them asked about (after "
+                  f"{a.warmup} warm-up steps); CPU in ask() {r['ask_cpu_ms']:.3f} ms, the comm thread's wait for "
+                  f"the answers {r['ask_wait_ms']:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(rank: int, world_size: int, stage: int, leaf: bool | str = False,
-           routing=None) -> dict[str, torch.Tensor]:
+           routing=None, steps: int = STEPS) -> dict[str, torch.Tensor]:
     """leaf: True marks Mixture with set_z3_leaf_modules, "config" names it in zero_optimization.leaf_module."""
     routing = routing or (lambda rank, step: (route(rank, step), rank == 1))
     model = Routed()
@@ -85,7 +85,7 @@ def _train(rank: int, world_size: int, stage: int, leaf: bool | str = False,
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "Adam", "params": {"lr": LR}},
         "zero_optimization": zero})
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = data(step)
         mine = slice(rank * MICRO, (rank + 1) * MICRO)
         out = engine(x[mine], *routing(rank, step))
@@ -228,3 +228,65 @@ def test_a_malformed_leaf_module_is_refused_with_its_fields():
         with pytest.raises(zeroedu.ConfigError, match=words):
             zeroedu.load_config({"train_micro_batch_size_per_gpu": 1,
                                  "zero_optimization": {"stage": 3, "leaf_module": bad}})
+
+
+# When stage 3 asks before each gather (zeroedu.engine.stages.routing): that message and its wait cost about 8 % of
+# a TinyGPT step, so the ranks ask only until every rank is known to have run its first step's modules in order
+# (three steps), and again for good once some rank's forward has left that order. Every gather's modules stay in
+# the per-step check's record, so ranks that part later still stop, at the step where they parted.
+def _asks_per_step(rank: int, world_size: int, routing, steps: int) -> dict:
+    model = Routed()
+    engine, *_ = zeroedu.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "Adam", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": EXPERT, "stage3_param_persistence_threshold": 0}})
+    asks, before = [], 0
+    for step in range(steps):
+        x, y = data(step)
+        mine = slice(rank * MICRO, (rank + 1) * MICRO)
+        out = engine(x[mine], *routing(rank, step))
+        engine.backward((out - y[mine]).square().mean())
+        engine.step()
+        asks.append(engine.units.routing.count - before)
+        before = engine.units.routing.count
+    gathers = [len([e for e in engine.ledger.select(op="all_gather", kind="params") if e.step == s])
+               for s in sorted({e.step for e in engine.ledger})]
+    return {"asks": asks, "gathers": gathers, "master": {k: v.clone() for k, v in engine.master_state_dict().items()}}
+
+
+def _in_order(rank: int, step: int) -> tuple[int, bool]:
+    return 0, False
+
+
+def _all_switch_at_step_5(rank: int, step: int) -> tuple[int, bool]:
+    return (1 if step >= 4 else 0), False
+
+
+def test_stage3_asks_before_gathers_only_while_routing_can_part_the_ranks():
+    steps = 9
+    (quiet, _), (switched, _) = (zeroedu.launch(_asks_per_step, WORLD, args=(r, steps), timeout=300)
+                                 for r in (_in_order, _all_switch_at_step_5))
+    # Modules always in order: one ask per gather in the first three steps (the ledger counts the gathers), then none.
+    assert quiet["gathers"][:3] == quiet["asks"][:3] and min(quiet["gathers"]) > 0, quiet
+    assert quiet["asks"][3:] == [0] * (steps - 3), quiet
+    # Every rank switches expert at step 5: a new order, the same on every rank, so no error; the check at step 5
+    # says so, every rank reads it by step 7, and from step 8 on the ranks ask before every gather again.
+    assert switched["asks"][3:7] == [0] * 4 and switched["asks"][7:] == switched["gathers"][7:steps], switched
+    ref, _ = zeroedu.launch(_train, WORLD, args=(0, False, _all_switch_at_step_5, steps), timeout=300)
+    for name, value in ref.items():   # stage 0 equals one process (above); stage 3 here equals stage 0
+        assert (switched["master"][name] - value).abs().max().item() < 1e-5, name
+
+
+def _rank_1_switches_at_step_6(rank: int, step: int) -> tuple[int, bool]:
+    return (1 if rank == 1 and step >= 5 else 0), False
+
+
+def test_stage3_routing_that_parts_after_the_asks_stopped_is_named_at_its_step():
+    """Equal-size experts, but once rank 1 leaves the recorded order it also stops prefetching, so the sizes of the
+    next gathers differ and gloo aborts: the launcher names the step, each rank's gather and the leaf to mark."""
+    with pytest.raises(LaunchError) as err:
+        zeroedu.launch(_train, WORLD, args=(3, False, _rank_1_switches_at_step_6, 8), timeout=300, hang_timeout=60)
+    text = str(err.value)
+    assert "after 5 optimizer steps" in text, text
+    assert re.search(r"rank 0 called stage-3 gather of \S+ from test_unused_params\.py:\d+; rank 1 called stage-3 "
+                     r"gather of mix\.experts\.1 from", text), text
+    assert "zeroedu.zero.set_z3_leaf_modules(model, [ThatClass])" in text, text

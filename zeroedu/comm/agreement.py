@@ -31,6 +31,15 @@ _RECENT = 4            # the newest signatures, shown by the launcher when gloo 
 IN_FLIGHT = 2         # checks started and not yet read; at this many, the next step waits for the oldest
 
 
+GATHER_OF = "stage-3 gather of "   # how a stage-3 gather's units appear in the record (engine.stages.routing)
+ROUTING_HINT = ("The ranks parted at a stage-3 gather: their modules ran differently (data-dependent routing as in "
+                "a mixture of experts, a branch that depends on the batch, a module used on some ranks only), so "
+                "they gathered different modules' parameters. Mark the module that holds the routed ones as a stage-3 "
+                "leaf, as DeepSpeed does: zeroedu.zero.set_z3_leaf_modules(model, [ThatClass]) before "
+                "zeroedu.initialize() (deepspeed.utils.set_z3_leaf_modules in DeepSpeed); it is then gathered whole "
+                "whenever it runs, on every rank.")
+
+
 class CollectiveDriftError(RuntimeError):
     """The ranks ran different collectives between two optimizer steps."""
 
@@ -81,6 +90,13 @@ class Agreement:
         self.step = 0            # the optimizer step of the newest check
         self.recent: deque[tuple[int, str]] = deque(maxlen=_RECENT)
         self._pending: deque[tuple] = deque()   # (work, outputs) of the checks in flight, oldest first
+        # Stage 3's check before each gather (zeroedu.engine.stages.routing) costs a message and a wait per gather,
+        # so it runs only while it can matter: until every rank is known to have run its first step's modules
+        # in order, and for good once any rank's forward has left the order its first forward recorded (the
+        # routing changed). The ranks decide it alike: from the checks that every rank has read for certain.
+        self.departed = False                      # this rank left its recorded module order since the last check
+        self.first_departure: int | None = None    # the first check at which some rank had (from the checks read)
+        self.watch_gathers = True
         # watcher: the collectives' observer (zeroedu.comm.observe); inside launch() the launcher's rank context
         if group is not None:
             _LIVE.append(self)
@@ -110,6 +126,10 @@ class Agreement:
         if self.group is None:
             return
         self.settle(wait=len(self._pending) >= IN_FLIGHT)
+        # Every rank has now read every check up to number `known` (the reads are oldest first, and at most
+        # IN_FLIGHT - 1 stay unread), so deciding from those alone gives every rank the same answer.
+        known = self.checks + 1 - IN_FLIGHT
+        self.watch_gathers = known < 1 or (self.first_departure is not None and self.first_departure <= known)
         if not final and self not in _LIVE:   # finished before (a checkpoint save), and checked again since
             _LIVE.append(self)
         self.where = where
@@ -117,11 +137,12 @@ class Agreement:
         self.step = step
         summary = {"check": self.checks, "step": step, "n": self.count, "crc": self.crc,
                    "backwards": self.backwards, "unfinished": self.unfinished, "acc": self.accum, "where": where,
-                   "sigs": self.shown}
+                   "sigs": self.shown, "departed": self.departed}
         if final:
             summary["final"] = final
         self._pending.append(self._send(summary))
         self.crc, self.count, self.shown, self.backwards, self.unfinished = 0, 0, [], 0, 0
+        self.departed = False
         self.recent.clear()
 
     def _send(self, payload: dict) -> tuple:
@@ -172,6 +193,8 @@ class Agreement:
             if len({(g.get("n"), g.get("crc")) for g in got}) > 1:
                 self._pending.clear()
                 raise CollectiveDriftError(drift_message(got, list(self.ranks)))
+            if self.first_departure is None and any(g.get("departed") for g in got):
+                self.first_departure = got[0].get("check")
 
 
 def _encode(payload: dict) -> bytes:
@@ -236,7 +259,9 @@ def drift_message(got: list[dict], ranks: list[int]) -> str:
             "backward.")
     when = (f"after optimizer step {first.get('step')}, found at {first['final']}" if all(g.get("final") for g in got)
             else f"between optimizer steps {first.get('step', 1) - 1} and {first.get('step')}")
-    lines.append(parting(got, ranks))
+    lines.append(parted := parting(got, ranks))
+    if GATHER_OF in parted:
+        hint = ROUTING_HINT
     return (f"collective drift: rank(s) {', '.join(map(str, odd))} ran a different sequence of collectives "
             f"from the other ranks {when} (check #{first.get('check')}); gloo matched them by size alone, so "
             f"tensors went to the wrong places. "

@@ -420,7 +420,10 @@ def sequence_note(views: list[View], failure: str) -> str:
                      f"collectives since that step: {newest}")
     head = (f"The ranks' sequences of collectives differ: rank(s) {', '.join(map(str, odd))} {why}." if odd else
             f"The ranks' sequences of collectives differ{why}; each rank's newest collectives:")
-    return "\n\n" + head + "\n" + "\n".join(lines)
+    from zeroedu.comm.agreement import GATHER_OF, ROUTING_HINT
+
+    tail = "\n" + ROUTING_HINT if GATHER_OF in why else ""
+    return "\n\n" + head + "\n" + "\n".join(lines) + tail
 
 
 def _odd_ranks(recs: dict[int, dict]) -> tuple[list[int], str]:

@@ -11,6 +11,14 @@ How: before each gather starts, every rank sends which units it is about to gath
 which line, on the agreement group (zeroedu.comm.agreement: one small message, started asynchronously on the main
 thread, read on the comm thread just before the gather itself). Ranks that disagree raise `RoutingDriftError`
 there, naming each rank's modules and the class to mark as a leaf, and the gather never starts.
+
+When: that message and its wait cost about 8 % of a TinyGPT step, so the ranks ask only while it can matter
+(`Agreement.watch_gathers`): in the first steps, until every rank is known to have run its first step's modules
+in the same order, and from then on only once some rank's forward has left the order its first forward recorded.
+A model whose modules always run in order (every model without routing) stops asking after its third step. Every
+gather's units still go into the per-step check's record, so ranks that part later, at a step where nobody asks,
+are stopped at that step's check, naming the step (equal sizes), or by gloo's abort, which the launcher reports
+with each rank's last collectives (unequal ones).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from zeroedu.comm.agreement import CollectiveDriftError, caller_line
+from zeroedu.comm.agreement import GATHER_OF, CollectiveDriftError, caller_line
 
 ENTERED = 16   # module names sent with each gather's question: where the routing parted, for the suggested leaf
 CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)   # no forward of their own: hooks on them never run
@@ -46,8 +54,12 @@ class RoutingCheck:
             self._names = {m: n or "the model" for n, m in self.engine.module.named_modules()}
         return self._names.get(m, type(m).__name__) if m is not None else ""
 
-    def enter(self, m: torch.nn.Module, call: int) -> None:
-        """Module m starts its forward as this forward's call number `call` (0: a new forward)."""
+    def enter(self, m: torch.nn.Module, call: int, departed: bool = False) -> None:
+        """Module m starts its forward as this forward's call number `call` (0: a new forward); `departed`: this
+        forward has left the module order the first one recorded."""
+        agreement = self.engine.comm.agreement
+        if departed and agreement is not None:
+            agreement.departed = True
         if call == 0:
             self.entered.clear()
             if self.engine.comm.agreement is not None:   # the engine call that runs this forward's gathers
@@ -60,10 +72,15 @@ class RoutingCheck:
         agreement = self.engine.comm.agreement
         if agreement is None or agreement.group is None:   # one rank, or no agreement check: nothing to compare
             return lambda: None
+        units = [b.index for b in part]
+        mods = self.engine.unit_modules
+        # Which modules' units, in the step's record, in the order the comm thread gathers them (it runs what this
+        # returns just before the gather): two equal-size gathers of different units tell the step's check apart.
+        sig = f"{GATHER_OF}{', '.join(self.name(mods[u]) for u in units)}"
+        if not agreement.watch_gathers:
+            return lambda: agreement.note(sig)
         self.count += 1
         why, m = self.now
-        mods = self.engine.unit_modules
-        units = [b.index for b in part]
         # Compared: a CRC of the units (the lists of names may be shortened to fit the message), and their size.
         mine = {"gather": self.count, "key": zlib.crc32(repr(units).encode()), "numel": sum(b.numel for b in part),
                 "modules": [self.name(mods[b.index]) for b in part],
@@ -72,6 +89,7 @@ class RoutingCheck:
         answers = agreement.ask(mine)
 
         def check() -> None:
+            agreement.note(sig)
             got = answers()
             if len({(g.get("key"), g.get("numel")) for g in got}) > 1:
                 raise RoutingDriftError(routing_message(got, list(agreement.ranks), self.engine.module))

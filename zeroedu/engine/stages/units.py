@@ -227,7 +227,7 @@ class UnitCoordinator:
                 e.fetch(u)
             return
         i = self.trace.enter(m)
-        self.routing.enter(m, i)
+        self.routing.enter(m, i, departed=not self.trace.recording and not self.trace.follows)
         for u in self.units_of[m]:
             e.fetch(u)
         if i == 0:
