@@ -33,6 +33,7 @@ import contextlib
 import itertools
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -175,17 +176,29 @@ class Cgroup:
         return None
 
     def remove(self) -> None:
-        """Remove the cgroups once their processes are gone (the kernel killed, its pid namespace with it)."""
+        """Remove the cgroups once their processes are gone (the kernel killed, its pid namespace with it). A
+        process of the notebook still in one (a fork bomb's children take a while to exit, more so on a busy
+        machine) is killed: nothing a notebook started outlives its grading, and no empty cgroup is left."""
         for folder in self.folders:
-            for _ in range(50):
+            for attempt in range(300):   # 30 s at most
                 try:
                     folder.rmdir()
                     break
                 except FileNotFoundError:
                     break
-                except OSError:   # still busy for a moment after the last process exits
+                except OSError:   # busy: a process is still in it, or leaving it
+                    if attempt % 10 == 9:
+                        _kill_members(folder)
                     time.sleep(0.1)
         self.folders = []
+
+
+def _kill_members(folder: Path) -> None:
+    """SIGKILL every process still in cgroup `folder` (they are the notebook's: the cgroup was made for it)."""
+    with contextlib.suppress(OSError, ValueError):
+        for pid in (folder / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), signal.SIGKILL)
 
 
 @dataclass
