@@ -14,6 +14,7 @@ Ring temporaries made on the comm thread (one chunk at a time) are not seen by t
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
@@ -43,6 +44,22 @@ def resident(owned: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
             seen.add(st.data_ptr())
             out[cat] += st.nbytes()
     return out
+
+
+_UNTRACKED = threading.local()
+
+
+@contextmanager
+def untracked():
+    """Tensors made inside are not the training's memory and are left out of a PeakTracker's count: the
+    collective agreement check's 2 KB messages (zeroedu.comm.agreement), which live for as long as the other
+    ranks take to answer, so that counting them would make a measured peak depend on timing."""
+    before = getattr(_UNTRACKED, "on", False)
+    _UNTRACKED.on = True
+    try:
+        yield
+    finally:
+        _UNTRACKED.on = before
 
 
 class PeakTracker(TorchDispatchMode):
@@ -88,6 +105,8 @@ class PeakTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if getattr(_UNTRACKED, "on", False):
+            return out
         phase = self._phase()
         default = "activations" if phase == "forward" else "temporaries"
         for t in tree_flatten(out)[0]:

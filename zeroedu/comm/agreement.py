@@ -25,6 +25,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from zeroedu.memory import untracked
+
 PAYLOAD_BYTES = 2048        # bytes each rank sends per check: a JSON summary, zero-padded
 _SHOWN = 12            # signatures kept per interval, for the message (the CRC covers all of them)
 _RECENT = 4            # the newest signatures, shown by the launcher when gloo aborts on a mismatch
@@ -150,13 +152,15 @@ class Agreement:
         Every message on the group has that one size, so two ranks that send different kinds of message (one a
         step's check, the other a stage-3 gather's) read each other's instead of making gloo abort."""
         data = _encode(payload)
-        mine = torch.zeros(PAYLOAD_BYTES, dtype=torch.uint8)
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        outs = [torch.empty_like(mine) for _ in self.ranks]
-        # torch's own all_gather, not launch()'s watched one: this group is not part of the collective order the
-        # launcher compares, and this check must never be counted (or reported) as one of the run's collectives.
-        gather = getattr(dist.all_gather, "__wrapped__", dist.all_gather)
-        return gather(outs, mine, group=self.group, async_op=True), outs
+        with untracked():   # not the training's memory: a measured peak must not depend on when the answers come
+            mine = torch.zeros(PAYLOAD_BYTES, dtype=torch.uint8)
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            outs = [torch.empty_like(mine) for _ in self.ranks]
+            # torch's own all_gather, not launch()'s watched one: this group is not part of the collective order
+            # the launcher compares, and this check must never be counted (or reported) as one of the run's
+            # collectives.
+            gather = getattr(dist.all_gather, "__wrapped__", dist.all_gather)
+            return gather(outs, mine, group=self.group, async_op=True), outs
 
     def ask(self, payload: dict) -> Callable[[], list[dict]]:
         """Start sending `payload` to every rank now, in this rank's order of messages on the group, and return the

@@ -54,8 +54,11 @@ def local_engine(precision: str = "fp32", micro_batch: int = 8, model_cfg=None, 
     """A stage-0 engine in this one process (a world of one rank): memory anatomy without launching ranks."""
     import zeroedu
 
-    engine, *_ = zeroedu.initialize(model=build_model(model_cfg), config=ds_config(
-        0, precision, micro_batch=micro_batch, world_size=1, **kw))
+    config = ds_config(0, precision, micro_batch=micro_batch, world_size=1, **kw)
+    # Written out, so that this in-process engine does not print initialize's note that DeepSpeed would clip at 1.0
+    # by default into every memory-anatomy cell: nothing here is compared with DeepSpeed's losses.
+    config.setdefault("gradient_clipping", 0.0)
+    engine, *_ = zeroedu.initialize(model=build_model(model_cfg), config=config)
     return engine
 
 
