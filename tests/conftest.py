@@ -76,6 +76,28 @@ SLOW_TESTS = [
     "tests/test_launch.py::test_under_nohup_a_hangup_leaves_the_run_going",
     "tests/test_ci.py::test_a_missing_browser_skips_locally_and_fails_on_ci",
     "tests/test_ci.py::test_the_slow_list_names_tests_that_exist",
+    # measured in a whole `.ci/run` on 6 December (11:39-12:10, quiet machine, nbval beside for its first 7 min):
+    # `make test-fast` took 550 s, against its goal of 5 minutes; these took 5-31 s each there. The fast tier
+    # keeps a graded notebook (test_a_rebound_harness...), a launch signal (SIGTERM), one translation check.
+    "tests/test_kit_hints.py::test_self_grading_gives_the_next_hint_on_each_failure",              # 31 s
+    "tests/test_grading.py::test_a_fork_bomb_and_a_memory_hog_score_0_beside_an_honest_learner_who_keeps_full_marks",
+    "tests/test_grading.py::test_bytes_reported_by_rebound_collectives_or_a_forged_counter_score_0_next_to_honest_learners",
+    "tests/test_grading.py::test_a_100_mb_error_at_the_top_of_a_cell_is_cut_in_the_kernel",        # 11 s
+    "tests/test_grading.py::test_verdicts_and_refusals_forged_by_a_notebook_never_read_as_the_graders",
+    "tests/test_translations.py::test_chinese_exercises_grade_as_the_english_ones",                # 17 s
+    "tests/test_translations.py::test_a_changed_solution_or_a_hand_edited_chinese_exercise_is_caught",
+    "tests/test_kit_messages.py::test_a_chinese_grading_run_says_why_in_chinese_and_the_report_still_names_the_mistakes",
+    "tests/test_kit_release.py::test_a_release_notebook_answered_right_scores_full_marks_hidden_tests_included",
+    "tests/test_launch.py::test_sigterm_to_a_rank_runs_its_cleanup_and_is_reported",                # 9 s
+    "tests/test_launch.py::test_a_signal_to_the_parent_leaves_no_folder[SIGHUP]",
+    "tests/test_launch.py::test_a_signal_to_the_parent_leaves_no_folder[SIGINT]",
+    "tests/test_launch.py::test_a_script_piped_on_stdin_launches",
+    "tests/test_launch.py::test_raw_dist_hang_is_named_within_hang_timeout[async-then-wait]",
+    "tests/test_launch_shared_machine.py::test_a_stopped_rank_is_reported_stopped_with_its_stack",
+    "tests/test_checkpointing.py::test_engine_meter_and_checkpointing_on_two_ranks",
+    "tests/test_imports.py::test_launch_is_the_package_and_the_function",
+    "tests/test_environment.py::test_make_picks_a_python_in_range_or_says_which_to_install",
+    "tests/test_setup_cell.py::test_setup_cell_installs_from_a_wheel_and_the_same_kernel_imports_it",
 ]
 # Files whose expensive module fixture trains many configurations in one launch: the tests that use it (with one
 # of these parameters, or with any when None) are slow.
@@ -84,6 +106,9 @@ SLOW_FIXTURES: dict[str, tuple[str, set | None]] = {
     "tests/test_offload.py": ("results", None),      # 29 s
     "tests/test_zeropp.py": ("results", None),       # 27 s
     "tests/test_stages.py": ("world", {1, 4}),       # 87 s and 38 s of setup; N2 (23 s) stays fast
+    "tests/test_kit.py": ("graded", None),           # 24 s: grades a class of four (roster, LMS, feedback)
+    "tests/test_memory_timeline.py": ("run", {3}),   # 16 s; stage 2 (5 s) stays fast
+    "tests/test_gpu_run.py": ("dry", None),          # 8 s: the GPU script's dry run in a fresh interpreter
 }
 
 
