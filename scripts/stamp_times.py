@@ -191,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path.stem}: {entry['seconds']:.0f} s with {entry['others_busy_cores']} cores busy before it"
                   + (" (under load)" if entry["under_load"] else ""), flush=True)
         stamp(path, timings["lessons"][path.stem])
+    if args.save_outputs:   # nbclient stamps execution times into every cell's metadata, the setup cell's too:
+        # put back the setup cells exactly as scripts/setup_cell.py writes them (tests/test_setup_cell.py checks)
+        import subprocess
+
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "setup_cell.py")], check=True)
     return 0
 
 
