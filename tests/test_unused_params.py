@@ -74,7 +74,12 @@ def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _train(rank: int, world_size: int, stage: int, leaf: bool | str = False,
            routing=None, steps: int = STEPS) -> dict[str, torch.Tensor]:
     """leaf: True marks Mixture with set_z3_leaf_modules, "config" names it in zero_optimization.leaf_module."""
-    routing = routing or (lambda rank, step: (route(rank, step), rank == 1))
+    engine = _routed_engine(stage, leaf)
+    _run_steps(engine, rank, routing, steps)
+    return {k: v.clone() for k, v in engine.master_state_dict().items()}
+
+
+def _routed_engine(stage: int, leaf: bool | str = False):
     model = Routed()
     if leaf is True:
         zeroedu.zero.set_z3_leaf_modules(model, [Mixture])
@@ -85,13 +90,20 @@ def _train(rank: int, world_size: int, stage: int, leaf: bool | str = False,
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "Adam", "params": {"lr": LR}},
         "zero_optimization": zero})
+    return engine
+
+
+def _run_steps(engine, rank: int, routing, steps: int, after_step=None) -> None:
+    """`steps` optimizer steps on this rank's share of each batch; routing(rank, step) -> (expert, extra)."""
+    routing = routing or (lambda rank, step: (route(rank, step), rank == 1))
     for step in range(steps):
         x, y = data(step)
         mine = slice(rank * MICRO, (rank + 1) * MICRO)
         out = engine(x[mine], *routing(rank, step))
         engine.backward((out - y[mine]).square().mean())
         engine.step()
-    return {k: v.clone() for k, v in engine.master_state_dict().items()}
+        if after_step is not None:
+            after_step()
 
 
 def reference() -> dict[str, torch.Tensor]:
@@ -235,19 +247,10 @@ def test_a_malformed_leaf_module_is_refused_with_its_fields():
 # (three steps), and again for good once some rank's forward has left that order. Every gather's modules stay in
 # the per-step check's record, so ranks that part later still stop, at the step where they parted.
 def _asks_per_step(rank: int, world_size: int, routing, steps: int) -> dict:
-    model = Routed()
-    engine, *_ = zeroedu.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "Adam", "params": {"lr": LR}},
-        "zero_optimization": {"stage": 3, "reduce_bucket_size": EXPERT, "stage3_param_persistence_threshold": 0}})
-    asks, before = [], 0
-    for step in range(steps):
-        x, y = data(step)
-        mine = slice(rank * MICRO, (rank + 1) * MICRO)
-        out = engine(x[mine], *routing(rank, step))
-        engine.backward((out - y[mine]).square().mean())
-        engine.step()
-        asks.append(engine.units.routing.count - before)
-        before = engine.units.routing.count
+    engine = _routed_engine(3)
+    asked = [0]   # the routing check's count after each step
+    _run_steps(engine, rank, routing, steps, after_step=lambda: asked.append(engine.units.routing.count))
+    asks = [b - a for a, b in zip(asked[:-1], asked[1:], strict=True)]
     gathers = [len([e for e in engine.ledger.select(op="all_gather", kind="params") if e.step == s])
                for s in sorted({e.step for e in engine.ledger})]
     return {"asks": asks, "gathers": gathers, "master": {k: v.clone() for k, v in engine.master_state_dict().items()}}
