@@ -22,7 +22,8 @@ def test_ds_config_splits_the_global_batch_and_names_bad_input():
     assert cfg["train_micro_batch_size_per_gpu"] == 1        # 8 = 4 ranks x 2 micro-steps x 1
     assert cfg["bf16"]["enabled"] and not cfg["fp16"]["enabled"]
     assert cfg["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 20_000, "overlap_comm": True}
-    assert "gradient_clipping" not in cfg and course.ds_config(clip=1.0)["gradient_clipping"] == 1.0
+    # written out even at 0: DeepSpeed 0.19.8 clips at 1.0 when the key is left out (GRADIENT_CLIPPING_DEFAULT)
+    assert cfg["gradient_clipping"] == 0.0 and course.ds_config(clip=1.0)["gradient_clipping"] == 1.0
     zeroedu.load_config(cfg)                                 # a config zeroedu accepts
     with pytest.raises(ValueError, match="does not split into 3 ranks"):
         course.ds_config(world_size=3)

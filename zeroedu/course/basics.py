@@ -27,7 +27,9 @@ def ds_config(stage: int = 0, precision: str = "fp32", micro_batch: int | None =
               global_batch: int = GLOBAL_BATCH, grad_accum: int = 1, lr: float = LR, clip: float = 0.0,
               bucket: int = 20_000, overlap: bool = True, **zero) -> dict:
     """The DeepSpeed config the notebooks train with. `micro_batch` defaults to global_batch / (N x accum), so
-    that every world size sees the same global batch; `zero` adds zero_optimization keys."""
+    that every world size sees the same global batch; `zero` adds zero_optimization keys. `gradient_clipping` is
+    always written out (0: no clipping), because DeepSpeed 0.19.8 clips at 1.0 when the key is left out: a
+    graduate who copies a printed config gets the run the lesson measured."""
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
     if micro_batch is None:
@@ -36,11 +38,9 @@ def ds_config(stage: int = 0, precision: str = "fp32", micro_batch: int | None =
                              f"{grad_accum} micro-steps; pass micro_batch= or a global_batch that divides")
         micro_batch = global_batch // (world_size * grad_accum)
     config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": grad_accum,
-              "optimizer": {"type": "Adam", "params": {"lr": lr}},
+              "gradient_clipping": clip, "optimizer": {"type": "Adam", "params": {"lr": lr}},
               "bf16": {"enabled": precision == "bf16"}, "fp16": {"enabled": precision == "fp16"},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "overlap_comm": overlap, **zero}}
-    if clip:
-        config["gradient_clipping"] = clip
     return config
 
 
@@ -55,9 +55,6 @@ def local_engine(precision: str = "fp32", micro_batch: int = 8, model_cfg=None, 
     import zeroedu
 
     config = ds_config(0, precision, micro_batch=micro_batch, world_size=1, **kw)
-    # Written out, so that this in-process engine does not print initialize's note that DeepSpeed would clip at 1.0
-    # by default into every memory-anatomy cell: nothing here is compared with DeepSpeed's losses.
-    config.setdefault("gradient_clipping", 0.0)
     engine, *_ = zeroedu.initialize(model=build_model(model_cfg), config=config)
     return engine
 
