@@ -110,3 +110,28 @@ def test_a_learning_rate_that_trains_into_nan_warns_at_that_step():
     assert first >= 2, losses   # step 1 trains on finite weights
     assert warned[0].startswith(f"after step {first}:"), (warned, losses)
     assert f"at optimizer step {first} " in warned[0] and "training diverged" in warned[0], warned
+
+
+def test_a_step_without_backward_is_named_at_every_stage():
+    """engine.step() with no engine.backward() since the last step: at stage 1 it used to fail with a TypeError
+    deep inside the flat layout, and at stages 0, 2 and 3 it stepped Adam on zero gradients, advancing its step
+    count (so its bias correction) with nothing behind it. Now each stage says what is missing, at that step."""
+    out = _run(
+        "from zeroedu.models import TinyGPT, gpt_batch, gpt_loss\n"
+        "for stage in range(4):\n"
+        "    e, *_ = zeroedu.initialize(model=TinyGPT(seed=0), config={'gradient_clipping': 0,\n"
+        "                                                                     'zero_optimization': {'stage': stage}})\n"
+        "    for when in ('first', 'after a step'):\n"
+        "        try:\n"
+        "            e.step()\n"
+        "            print(stage, when, 'stepped')\n"
+        "        except RuntimeError as err:\n"
+        "            print(stage, when, err)\n"
+        "        x, y = gpt_batch(0, 2)\n"
+        "        e.backward(gpt_loss(e(x), y)); e.step()\n")
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 8, out.stderr[-3000:]
+    for line, (stage, step) in zip(lines, [(s, n) for s in range(4) for n in (1, 2)], strict=True):
+        assert line.startswith(f"{stage} "), line
+        assert (f"engine.step() at optimizer step {step} with no engine.backward(loss) since the last step" in line
+                and "Call engine.backward(loss)" in line), line

@@ -309,6 +309,12 @@ class Engine(DeepSpeedFacade):
             raise RuntimeError("engine.step() inside no_sync(): leave the no_sync() block first (its gradients are "
                                "not reduced yet; the next backward outside reduces them), as DeepSpeed requires.")
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary and self._loss_sum is None:
+            # Stepping on gradients that were never computed would update Adam's step count (and so its bias
+            # correction) with no gradient behind it, or fail deep inside a stage; say what is missing instead.
+            raise RuntimeError(f"engine.step() at optimizer step {self.global_step + 1} with no engine.backward(loss) "
+                               f"since the last step: there are no gradients to step with. Call "
+                               f"engine.backward(loss) after each forward, then engine.step().")
         self.micro_step += 1
         if not boundary:
             return
