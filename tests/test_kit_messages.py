@@ -18,7 +18,7 @@ from test_grading import make_submission
 ROOT = Path(__file__).resolve().parents[1]
 CJK = re.compile(r"[\u4e00-\u9fff]")
 
-# file -> the functions whose every message is translated (the rest of the harnesses still speak English only)
+# file -> functions whose every message is translated (tests/test_harness_messages_zh.py checks all the harnesses)
 TRANSLATED = {
     "zeroedu/grading/check.py": {"describe_exception"},
     "zeroedu/grading/exercises/ring.py": {"_check_row", "_diagnose", "_shifted"},

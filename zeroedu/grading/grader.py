@@ -73,6 +73,7 @@ from zeroedu.grading.score import _refusals, full_points, score
 from zeroedu.grading.scratch import remove_tree
 from zeroedu.grading.source import forged_answers, grader_names, places, shadowed_engine_names
 from zeroedu.grading.submissions import Submission, collect, guess_exercise, load_solutions, newest_only, stage
+from zeroedu.i18n import tr
 
 __all__ = ["CSV_FIELDS", "CellRun", "ExerciseResult", "Limits", "Options", "Submission", "TestResult", "assemble",
            "collect", "default_options", "forged_answers", "full_points", "grade", "grade_notebook", "gradebook",
@@ -116,13 +117,18 @@ def grade_notebook(path: Path, learner: str, solutions: dict[str, Any], limits: 
         submission = nbtools.read(path)
     except Exception as e:
         result.status = "unreadable"
-        result.notes.append(f"cannot read {shown} as a notebook: {type(e).__name__}: {_cut(str(e), 300)}")
+        why = f"{type(e).__name__}: {_cut(str(e), 300)}"
+        result.notes.append(tr(f"cannot read {shown} as a notebook: {why}",
+                               f"无法把 {shown} 当作 notebook 读取：{why}"))
         return result
     name = match_solution(path, submission, solutions)
     if name is None:
         result.status = "unknown exercise"
-        result.notes.append(f"{Path(shown).name} matches no notebook in the solutions folder (by name or by "
-                            f"nbgrader grade_ids); known: {', '.join(sorted(solutions))}")
+        known = ", ".join(sorted(solutions))
+        result.notes.append(tr(f"{Path(shown).name} matches no notebook in the solutions folder (by name or by "
+                               f"nbgrader grade_ids); known: {known}",
+                               f"{Path(shown).name} 与 solutions 文件夹里的任何 notebook 都对不上（按文件名或 nbgrader "
+                               f"grade_id）；已有的是：{known}"))
         return result
     result.exercise = name
     nb = assemble(submission, solutions[name])
@@ -149,7 +155,8 @@ def grade_notebook(path: Path, learner: str, solutions: dict[str, Any], limits: 
     result.tests, notes = score(nb, runner.runs)
     result.notes = notes + runner.notes + refusals
     if runner.truncated:
-        result.notes.append(f"printed more than {limits.max_output} bytes; the rest of the output was dropped")
+        result.notes.append(tr(f"printed more than {limits.max_output} bytes; the rest of the output was dropped",
+                               f"输出超过了 {limits.max_output} 字节；其余输出已丢弃"))
     result.notes += shadowed_engine_names(nb, submission)
     result.points = sum(t.points for t in result.tests)
     result.max_points = full_points(solutions[name])
@@ -208,9 +215,11 @@ def grade(paths: list[Path], solutions_dir: Path, limits: Limits, executed: Path
             except Exception as e:   # the grader's own failure on this notebook: 0 for it, the others go on
                 r = ExerciseResult(sub.learner, sub.exercise or sub.path.stem, str(sub.path), "grader error")
                 where = traceback.extract_tb(e.__traceback__)[-1]
-                r.notes.append(_cut(f"the grader could not grade this notebook ({type(e).__name__}: {e}, at "
-                                    f"{Path(where.filename).name}:{where.lineno}); it scores 0: check that it "
-                                    "is the exercise notebook you were given, or ask your instructor",
+                at = f"{type(e).__name__}: {e}, at {Path(where.filename).name}:{where.lineno}"
+                r.notes.append(_cut(tr(f"the grader could not grade this notebook ({at}); it scores 0: check that it "
+                                       "is the exercise notebook you were given, or ask your instructor",
+                                       f"评分器无法给这个 notebook 评分（{at}）；记 0 分：请确认它就是发给你的练习 "
+                                       "notebook，或者问问你的老师"),
                                     limits.max_output))
                 if sub.exercise in solutions:
                     r.max_points = full_points(solutions[sub.exercise])
@@ -230,7 +239,8 @@ def grade(paths: list[Path], solutions_dir: Path, limits: Limits, executed: Path
                 r.exercise = sub.exercise
                 r.max_points = full_points(solutions[sub.exercise])   # 0 of the full points, not 0 of 0
             for old in dropped.get(id(sub), []):
-                r.notes.append(f"also handed in: {old.path} (older than {sub.path}; only the newest is graded)")
+                r.notes.append(tr(f"also handed in: {old.path} (older than {sub.path}; only the newest is graded)",
+                                  f"还交了：{old.path}（比 {sub.path} 旧；只给最新的一份评分）"))
             return r
 
         if jobs > 1:

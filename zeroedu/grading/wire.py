@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from zeroedu.i18n import tr
+
 # On loopback each IPv4 packet of TCP carries IPv4's 20-byte header and TCP's 20, plus the 12-byte timestamps option
 # that Linux sends by default; IPv6's header is 20 bytes longer. A SYN or SYN-ACK carries 8 more bytes of options
 # (MSS, SACK permitted, window scale), a reset no timestamps. Packets are counted by IP (OutRequests), not by TCP:
@@ -100,7 +102,11 @@ def claim_problem(claimed: int, crossed: int | None, what: str, source: str) -> 
     wire could not be counted: not sandboxed, or a learner's own notebook)."""
     if crossed is None or claimed <= crossed:
         return None
-    return (f"{what}: the ranks report {claimed} bytes sent ({source}), but only {crossed} bytes of data crossed "
-            "between the processes of this notebook, counted by the operating system outside your code's reach. "
-            "Bytes that were never sent were reported: something in your code rebinds what measures them (the "
-            "ledger, torch.distributed, the send counter) or moves data another way. This test scores 0.")
+    return tr(f"{what}: the ranks report {claimed} bytes sent ({source}), but only {crossed} bytes of data crossed "
+              "between the processes of this notebook, counted by the operating system outside your code's reach. "
+              "Bytes that were never sent were reported: something in your code rebinds what measures them (the "
+              "ledger, torch.distributed, the send counter) or moves data another way. This test scores 0.",
+              f"{what}：各 rank 报告发送了 {claimed} 字节（{source}），但这个 notebook 的进程之间实际只传了 "
+              f"{crossed} 字节数据，这是由操作系统在你的代码够不到的地方统计的。报告里有从未发送过的字节："
+              "你的代码改绑了统计字节的东西（通信账本 ledger、torch.distributed、发送计数器），"
+              "或者用别的途径传了数据。这个测试记 0 分。")

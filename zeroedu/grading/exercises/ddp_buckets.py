@@ -17,6 +17,7 @@ from zeroedu.engine.stages import Stage0
 from zeroedu.grading.exercises.learner_code import _itemsize, first_stub
 from zeroedu.grading.exercises.training import Case, TrainRun, train_on_ranks
 from zeroedu.grading.remote import in_kernel
+from zeroedu.i18n import tr
 
 
 class HookedStage0(Stage0):
@@ -52,7 +53,9 @@ class HookedStage0(Stage0):
 
     def _reduce(self, i: int) -> None:
         if not isinstance(i, int) or not 0 <= i < len(self.layout.buckets):
-            raise ValueError(f"reduce({i!r}): the bucket index must be an int from 0 to {len(self.layout.buckets) - 1}")
+            last = len(self.layout.buckets) - 1
+            raise ValueError(tr(f"reduce({i!r}): the bucket index must be an int from 0 to {last}",
+                                f"reduce({i!r})：桶（bucket）的下标必须是 0 到 {last} 之间的 int"))
         self.events.append(("reduce", i))
         self.reduce_bucket(self.layout.buckets[i])
 
@@ -113,18 +116,24 @@ class BucketHooksRun(TrainRun):
                 entries = [e for e in row["ledger"] if e["kind"] == "grads" and e["step"] == step]
                 ops = {e["op"] for e in entries}
                 if ops - {"all_reduce"}:
-                    raise AssertionError(f"{case.name}: stage 0 reduces gradients with all-reduce only, found "
-                                         f"{sorted(ops)}.")
+                    raise AssertionError(tr(f"{case.name}: stage 0 reduces gradients with all-reduce only, found "
+                                            f"{sorted(ops)}.",
+                                            f"{case.name}：stage 0 只用 all-reduce 归约梯度，这里却出现了 "
+                                            f"{sorted(ops)}。"))
                 sent = sum(e["sent_bytes"] for e in entries)
                 reduced = sum(e["tensor_bytes"] for e in entries)
                 want = 2 * (n - 1) * full // n
                 if reduced != full or sent != want:
                     k = len(entries)
-                    raise AssertionError(
+                    raise AssertionError(tr(
                         f"{case.name}, step {step}: {k} all-reduce(s) of {reduced} bytes in all, sending {sent} bytes; "
                         f"one all-reduce per bucket of the {full}-byte flat buffer sends 2(N-1)/N·S = {want}. "
                         + ("Some bucket was reduced more than once (at every micro-step, or twice in one backward)."
-                           if reduced > full else "Some bucket was never reduced."))
+                           if reduced > full else "Some bucket was never reduced."),
+                        f"{case.name}，第 {step} 步：{k} 次 all-reduce，共 {reduced} 字节，发送了 {sent} 字节；"
+                        f"{full} 字节的扁平缓冲区每个桶 all-reduce 一次，应发送 2(N-1)/N·S = {want} 字节。"
+                        + ("有的桶被归约了不止一次（每个微批次都归约了，或者一次 backward 里归约了两次）。"
+                           if reduced > full else "有的桶从未被归约。")))
 
 
 def _overlap_problem(events: list[tuple], buckets: list[list[int]], accum: int) -> str | None:
@@ -143,20 +152,26 @@ def _overlap_problem(events: list[tuple], buckets: list[list[int]], accum: int) 
         span = events[k + 1: end]
         after = next((j for j, e in enumerate(span) if e[0] == "after"), len(span))
         reduced = [e[1] for e in span if e[0] == "reduce"]
-        where = f"in backward {micro} (micro-step {micro % accum + 1} of {accum})"
+        where = tr(f"in backward {micro} (micro-step {micro % accum + 1} of {accum})",
+                   f"在第 {micro} 次 backward 中（{accum} 个微批次中的第 {micro % accum + 1} 个）")
         if not reduce_now:
             if reduced:
-                return (f"bucket {reduced[0]} was all-reduced {where}, which is not the last micro-step: only the "
-                        "last micro-step of an accumulation reduces (before_backward(reduce_now=False)); the "
-                        "others just add their gradients into .grad.")
+                return tr(f"bucket {reduced[0]} was all-reduced {where}, which is not the last micro-step: only the "
+                          "last micro-step of an accumulation reduces (before_backward(reduce_now=False)); the "
+                          "others just add their gradients into .grad.",
+                          f"桶 {reduced[0]} {where}做了 all-reduce，但这不是最后一个微批次：梯度累积时只有最后一个"
+                          "微批次做归约（before_backward(reduce_now=False)），其余微批次只把梯度累加到 .grad。")
             k = end
             continue
         for b in range(len(buckets)):
             times = reduced.count(b)
             if times != 1:
-                return (f"bucket {b} was all-reduced {times} times {where}: reduce every bucket exactly once per "
-                        "backward that reduces" + (" (a parameter that gets no gradient never calls its hook: "
-                                                   "after_backward must reduce its bucket)." if times == 0 else "."))
+                return tr(f"bucket {b} was all-reduced {times} times {where}: reduce every bucket exactly once per "
+                          "backward that reduces" + (" (a parameter that gets no gradient never calls its hook: "
+                                                     "after_backward must reduce its bucket)." if times == 0 else "."),
+                          f"桶 {b} {where}做了 {times} 次 all-reduce：需要归约的每次 backward 里，每个桶恰好归约一次"
+                          + ("（拿不到梯度的参数永远不会触发它的 hook：它所在的桶要由 after_backward 来归约）。"
+                             if times == 0 else "。"))
         waiting = {b: len(m) for b, m in enumerate(buckets)}
         arrived: set[int] = set()
         due: list[int] = []          # complete buckets not reduced yet
@@ -165,11 +180,15 @@ def _overlap_problem(events: list[tuple], buckets: list[list[int]], accum: int) 
                 if due:
                     b = due[0]
                     late = next((x for x, f in enumerate(span) if f == ("reduce", b)), len(span))
-                    when = "only after backward had ended" if late > after else "only later"
-                    return (f"bucket {b} had all {len(buckets[b])} of its gradients {where}, but was all-reduced "
-                            f"{when}, not before the next gradient (parameter {e[1]}) arrived: reduce a bucket as "
-                            "soon as its last gradient arrives, so that its communication overlaps the rest of "
-                            "backward.")
+                    zh_when = "直到 backward 结束后才" if late > after else "之后才"
+                    return tr(f"bucket {b} had all {len(buckets[b])} of its gradients {where}, but was all-reduced "
+                              f"{'only after backward had ended' if late > after else 'only later'}, "
+                              f"not before the next gradient (parameter {e[1]}) arrived: reduce a bucket as "
+                              "soon as its last gradient arrives, so that its communication overlaps the rest of "
+                              "backward.",
+                              f"桶 {b} 的 {len(buckets[b])} 个梯度{where}已全部到齐，却{zh_when}做 all-reduce，"
+                              f"没有赶在下一个梯度（参数 {e[1]}）到达之前：桶的最后一个梯度一到就要归约，"
+                              "这样它的通信才能和 backward 的剩余部分重叠。")
                 arrived.add(e[1])
                 waiting[of[e[1]]] -= 1
                 if waiting[of[e[1]]] == 0:
@@ -180,20 +199,23 @@ def _overlap_problem(events: list[tuple], buckets: list[list[int]], accum: int) 
                     due.remove(b)
                 elif waiting[b] > 0 and j < after:
                     missing = [p for p in buckets[b] if p not in arrived]
-                    return (f"bucket {b} was all-reduced {where} before its gradients for parameter(s) {missing} "
-                            "had arrived: wait until every parameter of the bucket has called its hook.")
+                    return tr(f"bucket {b} was all-reduced {where} before its gradients for parameter(s) {missing} "
+                              "had arrived: wait until every parameter of the bucket has called its hook.",
+                              f"桶 {b} {where}在参数 {missing} 的梯度到达之前就做了 all-reduce："
+                              "要等桶里每个参数都触发了自己的 hook 再归约。")
         if due:
-            return f"bucket {due[0]} was complete {where} but never reduced."
+            return tr(f"bucket {due[0]} was complete {where} but never reduced.",
+                      f"桶 {due[0]} {where}已经齐了，却从未被归约。")
         k = end
     return None
 
 
 def run_bucket_hooks(hooks_cls: type, cases: list[Case]) -> BucketHooksRun:
     """Train stage 0 with the learner's bucket hooks; the reference is one process on the global batch."""
-    what = getattr(hooks_cls, "__name__", "your hooks")
+    what = getattr(hooks_cls, "__name__", tr("your hooks", "你的 hooks"))
     stub = in_kernel(first_stub, hooks_cls, {"__init__": ([], [], print), "before_backward": (True,),
                                   "grad_ready": (torch.nn.Parameter(torch.zeros(1)),), "after_backward": ()})
     if stub is not None:
-        return BucketHooksRun(what, cases, error=f"not implemented yet: {stub}")
+        return BucketHooksRun(what, cases, error=tr(f"not implemented yet: {stub}", f"尚未实现：{stub}"))
     run = train_on_ranks(_hooks_engine(hooks_cls), cases, what=what, extra=_hook_events)
     return BucketHooksRun(run.what, run.cases, run.ranks, run.refs, run.error)

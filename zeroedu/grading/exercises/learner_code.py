@@ -17,6 +17,7 @@ import torch
 from zeroedu.engine.stages import Stage1, Stage2, Stage3
 from zeroedu.grading.exercises.ranks import not_implemented
 from zeroedu.grading.exercises.training import Case
+from zeroedu.i18n import tr
 
 
 def not_your_own(cls: Any, names: Any) -> str | None:
@@ -26,10 +27,13 @@ def not_your_own(cls: Any, names: Any) -> str | None:
     from zeroedu.grading.kernel import _is_learner_class, is_library_code
 
     if not isinstance(cls, type):
-        return f"{cls!r} is not a class: write the class the template asks for"
+        return tr(f"{cls!r} is not a class: write the class the template asks for",
+                  f"{cls!r} 不是一个类：请按模板的要求写出这个类")
     if not _is_learner_class(cls):
-        return (f"{cls.__name__} is zeroedu's own class, not one you wrote (or passes itself off as one): define "
-                f"`class {cls.__name__}(...)` in the answer cell and write its methods in its body")
+        return tr(f"{cls.__name__} is zeroedu's own class, not one you wrote (or passes itself off as one): define "
+                  f"`class {cls.__name__}(...)` in the answer cell and write its methods in its body",
+                  f"{cls.__name__} 是 zeroedu 自己的类（或冒充成它），不是你写的：请在答题单元格里定义 "
+                  f"`class {cls.__name__}(...)`，并在类体里写出它的方法")
     for name in names:
         owner = next((c for c in cls.__mro__ if name in vars(c)), None)
         if name.startswith("__") or owner is None:   # no such method: first_stub says so
@@ -37,8 +41,10 @@ def not_your_own(cls: Any, names: Any) -> str | None:
         fn = vars(owner)[name]
         code = getattr(getattr(fn, "__func__", fn), "__code__", None)
         if not _is_learner_class(owner) or code is None or is_library_code(code):
-            return (f"{cls.__name__}.{name} is zeroedu's own code (inherited from {owner.__name__}, or assigned from "
-                    f"it), not yours: write {name} in your class's body")
+            return tr(f"{cls.__name__}.{name} is zeroedu's own code (inherited from {owner.__name__}, or assigned "
+                      f"from it), not yours: write {name} in your class's body",
+                      f"{cls.__name__}.{name} 是 zeroedu 自己的代码（继承自 {owner.__name__}，或从它赋值而来），"
+                      f"不是你写的：请在你的类体里写出 {name}")
     return None
 
 
@@ -53,7 +59,8 @@ def first_stub(cls: type, methods: dict[str, tuple]) -> str | None:
     for name, args in methods.items():
         fn = getattr(cls, name, None)
         if fn is None:
-            return f"{cls.__name__} has no method {name}: keep the method names of the template"
+            return tr(f"{cls.__name__} has no method {name}: keep the method names of the template",
+                      f"{cls.__name__} 没有方法 {name}：请保留模板里的方法名")
         message = not_implemented(fn, bare, *args)
         if message is not None:
             return message

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from zeroedu.grading.exercises.ranks import run_on_ranks
 from zeroedu.grading.remote import in_kernel
+from zeroedu.i18n import tr
 
 SIZES = (12, 24, 24, 6)
 TERMS = {"parameters": ("parameters",), "gradients": ("gradients",),
@@ -44,7 +45,7 @@ def _job(rank: int, n: int, precision: str) -> dict:
 
 def _collect(world_size: int, precision: str) -> dict:
     try:
-        return {"stages": run_on_ranks(_job, world_size, args=(precision,), what="the engine")[0]}
+        return {"stages": run_on_ranks(_job, world_size, args=(precision,), what=tr("the engine", "引擎"))[0]}
     except AssertionError as e:
         return {"error": str(e)}
 
@@ -53,7 +54,8 @@ def measure_model_states(world_size: int = 2, precision: str = "bf16") -> dict:
     """{"psi", "world_size", "precision", "stages": {stage: {term: bytes on rank 0}}} from a live engine."""
     live = in_kernel(_collect, world_size, precision)
     if "error" in live:
-        raise AssertionError(f"the live engine did not run: {live['error']}")
+        raise AssertionError(tr(f"the live engine did not run: {live['error']}",
+                                f"真实引擎没有跑起来：{live['error']}"))
     psi = sum(a * b + b for a, b in zip(SIZES, SIZES[1:], strict=False))
     return {"psi": psi, "world_size": world_size, "precision": precision, "stages": live["stages"]}
 
@@ -77,6 +79,9 @@ def check_against_engine(model_state_bytes: Callable, live: dict) -> None:
         for term, value in measured.items():
             got = mine.get(term) if isinstance(mine, dict) else None
             if not isinstance(got, int | float) or not abs(got - value) <= 1e-9 * max(1, value):   # NaN fails
-                raise AssertionError(
+                parts = " + ".join(TERMS[term])
+                raise AssertionError(tr(
                     f"stage {stage}, Ψ={psi}, N={n}, {precision}: your {term} = {got}, the engine holds {value} "
-                    f"bytes of it on each rank (engine.memory(): {' + '.join(TERMS[term])}).")
+                    f"bytes of it on each rank (engine.memory(): {parts}).",
+                    f"stage {stage}，Ψ={psi}，N={n}，{precision}：你算出的 {term} = {got}，引擎在每个 rank 上"
+                    f"实际持有 {value} 字节（engine.memory()：{parts}）。"))

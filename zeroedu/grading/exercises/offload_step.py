@@ -18,6 +18,7 @@ from zeroedu.grading.exercises.learner_code import _itemsize
 from zeroedu.grading.exercises.ranks import not_implemented
 from zeroedu.grading.exercises.training import TOLERANCE, Case, TrainRun, assemble_full, dict_rel, train_on_ranks
 from zeroedu.grading.remote import in_kernel
+from zeroedu.i18n import tr
 
 
 def _offload_engine(grad_to_host: Callable, host_step: Callable, params_to_device: Callable) -> Callable[[Case], type]:
@@ -103,9 +104,12 @@ class OffloadRun(TrainRun):
         calls = self.ranks[i][0]["calls"]
         missing = [k for k in ("grad_to_host", "host_step", "params_to_device") if not calls.get(k)]
         if missing:
-            raise AssertionError(f"{self.cases[i].name}: the engine never called your {', '.join(missing)} (it no "
-                                 "longer calls the place zeroedu.grading.exercises.offload_step plugs into: update "
-                                 "the adapter).")
+            names = ", ".join(missing)
+            raise AssertionError(tr(f"{self.cases[i].name}: the engine never called your {names} (it no "
+                                    "longer calls the place zeroedu.grading.exercises.offload_step plugs into: update "
+                                    "the adapter).",
+                                    f"{self.cases[i].name}：引擎从未调用你的 {names}（引擎不再调用 "
+                                    "zeroedu.grading.exercises.offload_step 接入的位置：需要更新这个适配器）。"))
 
     def check_step(self) -> None:
         """Adam on the host stepped with the reduced gradient times coef (unscaled and clipped), as fp32."""
@@ -119,12 +123,18 @@ class OffloadRun(TrainRun):
             for step in range(case.steps):
                 pieces = [r["stepped"][step] for r in rows]
                 if any(g is None for p in pieces for g in p):
-                    raise AssertionError(f"{case.name}, step {step}: a master piece had no .grad when the optimizer "
-                                         "stepped: set master.grad for every piece before optimizer.step().")
+                    raise AssertionError(tr(f"{case.name}, step {step}: a master piece had no .grad when the "
+                                            "optimizer stepped: set master.grad for every piece before "
+                                            "optimizer.step().",
+                                            f"{case.name}，第 {step} 步：优化器 step 时有一块 fp32 主权重没有 .grad："
+                                            "在 optimizer.step() 之前给每一块都设好 master.grad。"))
                 bad = [str(g.dtype) for p in pieces for g in p if g.dtype != torch.float32]
                 if bad:
-                    raise AssertionError(f"{case.name}, step {step}: the optimizer stepped with {bad[0]} gradients; "
-                                         "the fp32 master weights take fp32 gradients: convert with .float().")
+                    raise AssertionError(tr(f"{case.name}, step {step}: the optimizer stepped with {bad[0]} "
+                                            "gradients; the fp32 master weights take fp32 gradients: convert with "
+                                            ".float().",
+                                            f"{case.name}，第 {step} 步：优化器用 {bad[0]} 梯度做了 step；"
+                                            "fp32 主权重要配 fp32 梯度：用 .float() 转换。"))
                 got = assemble_full(rows[0]["layout"], pieces, True)
                 grads = ref["grads"][step]
                 coef = 1.0
@@ -136,12 +146,16 @@ class OffloadRun(TrainRun):
                 if d <= tol:
                     continue
                 if dict_rel(got, grads)[0] <= tol and coef < 1:
-                    raise AssertionError(f"{case.name}, step {step}: the optimizer stepped with the reduced gradient "
-                                         f"as it is; multiply it by coef (here {coef:.3g}: gradient clipping, and the "
-                                         "fp16 loss scale when there is one).")
-                raise AssertionError(f"{case.name}, step {step}: the gradient the optimizer stepped with is {d:.2g} "
-                                     f"(relative) away from the clipped gradient of the whole batch, most of all "
-                                     f"{worst!r}.")
+                    raise AssertionError(tr(f"{case.name}, step {step}: the optimizer stepped with the reduced "
+                                            f"gradient as it is; multiply it by coef (here {coef:.3g}: gradient "
+                                            "clipping, and the fp16 loss scale when there is one).",
+                                            f"{case.name}，第 {step} 步：优化器直接用归约后的梯度做了 step；"
+                                            f"要先乘以 coef（这里是 {coef:.3g}：梯度裁剪，以及 fp16 时的损失缩放）。"))
+                raise AssertionError(tr(f"{case.name}, step {step}: the gradient the optimizer stepped with is "
+                                        f"{d:.2g} (relative) away from the clipped gradient of the whole batch, most "
+                                        f"of all {worst!r}.",
+                                        f"{case.name}，第 {step} 步：优化器用的梯度与整个 batch 裁剪后的梯度相差 "
+                                        f"{d:.2g}（相对误差），差得最多的是 {worst!r}。"))
 
     def check_bytes(self) -> None:
         """Per step and rank, across the bus: the gradient shard to the host, and the parameters back, each in the
@@ -159,19 +173,25 @@ class OffloadRun(TrainRun):
                 d2h, h2d = ([e for e in row["ledger"] if e["op"] == op and e["kind"] == "offload" and e["step"] == step]
                             for op in ("d2h", "h2d"))
                 for what, entries, k, fix in (
-                        ("gradients to the host (d2h)", d2h, times,
-                         "copy the reduced piece as it is (compute dtype) and convert on the host"),
-                        ("parameters to the device (h2d)", h2d, 1,
-                         "cast the fp32 master to the compute dtype on the host, then copy")):
+                        (tr("gradients to the host (d2h)", "拷到 host 的梯度（d2h）"), d2h, times,
+                         tr("copy the reduced piece as it is (compute dtype) and convert on the host",
+                            "把归约后的那一块原样（计算 dtype）拷过去，在 host 上再转换")),
+                        (tr("parameters to the device (h2d)", "拷回 device 的参数（h2d）"), h2d, 1,
+                         tr("cast the fp32 master to the compute dtype on the host, then copy",
+                            "先在 host 上把 fp32 主权重转成计算 dtype，再拷贝"))):
                     want = k * shard * elem
                     sent = sum(e["sent_bytes"] for e in entries)
                     if sent != want:
                         dtypes = sorted({e["dtype"] for e in entries})
-                        raise AssertionError(
+                        raise AssertionError(tr(
                             f"{case.name}, step {step}: {sent} bytes of {what} in {len(entries)} copies of "
                             f"{', '.join(dtypes) or 'nothing'}; expected {want}: this rank's shard of {shard} elements "
                             f"in {row['dtype']} ({elem} bytes each)" + (f", once per micro-step ({k})" if k > 1
-                                                                         else "") + f". {fix.capitalize()}.")
+                                                                         else "") + f". {fix.capitalize()}.",
+                            f"{case.name}，第 {step} 步：{what}共 {sent} 字节，{len(entries)} 次拷贝，dtype 为 "
+                            f"{', '.join(dtypes) or '无'}；应为 {want} 字节：本 rank 的 {shard} 个元素的分片，"
+                            f"{row['dtype']}（每个 {elem} 字节）" + (f"，每个微批次一次（{k} 次）" if k > 1 else "")
+                            + f"。{fix}。"))
 
 
 def _no_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -181,14 +201,14 @@ def _no_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 def run_offload(grad_to_host: Callable, host_step: Callable, params_to_device: Callable,
                 cases: list[Case]) -> OffloadRun:
     """Train with offload_optimizer "cpu" and the learner's three functions; reference: one process."""
-    what = "your offload step"
+    what = tr("your offload step", "你的 offload step")
     probes = ((grad_to_host, (torch.zeros(2), torch.zeros(2), False, _no_copy)),
               (host_step, ([], [], None, 1.0)),
               (params_to_device, (torch.zeros(2), torch.zeros(2), _no_copy)))
     for fn, args in probes:
         stub = in_kernel(not_implemented, fn, *args)
         if stub is not None:
-            return OffloadRun(what, cases, error=f"not implemented yet: {stub}")
+            return OffloadRun(what, cases, error=tr(f"not implemented yet: {stub}", f"尚未实现：{stub}"))
     run = train_on_ranks(_offload_engine(grad_to_host, host_step, params_to_device), cases, what=what,
                          extra=_offload_extra)
     return OffloadRun(run.what, run.cases, run.ranks, run.refs, run.error)

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import ProcessGroup
 
+from zeroedu.i18n import tr
 from zeroedu.launch import CollectiveMismatchError, LaunchError, RankError, RankHangError, launch
 
-__all__ = ["RING_HANG_HINT", "SendCounter", "launch_timeout", "not_implemented", "run_on_ranks"]
+__all__ = ["SendCounter", "launch_timeout", "not_implemented", "ring_hang_hint", "run_on_ranks"]
 
 _COLLECTIVES = ("allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
                 "allgather_into_tensor_coalesced", "all_gather_single", "reduce_scatter", "_reduce_scatter_base",
@@ -82,7 +83,7 @@ def not_implemented(fn: Callable, *args: Any, **kwargs: Any) -> str | None:
     try:
         fn(*args, **kwargs)
     except NotImplementedError as e:
-        return str(e) or "it raises NotImplementedError"
+        return str(e) or tr("it raises NotImplementedError", "它抛出了 NotImplementedError")
     except Exception:  # real code: it got as far as needing a process group (or failed otherwise) -> run it
         return None
     return None
@@ -102,27 +103,37 @@ def _learner_line(text: str, innermost_first: bool = False) -> str:
     if not frames:
         return ""
     m = frames[0] if innermost_first else frames[-1]
-    code = f": {m.group(4).strip()}" if m.group(4) else ""
-    return f" in {m.group(3)}, line {m.group(2)} of its cell{code}"
+    code = tr(f": {m.group(4).strip()}", f"：{m.group(4).strip()}") if m.group(4) else ""
+    return tr(f" in {m.group(3)}, line {m.group(2)} of its cell{code}",
+              f"，位于 {m.group(3)}，所在单元格第 {m.group(2)} 行{code}")
 
 
-RING_HANG_HINT = ("In a ring every dist.isend needs the matching dist.irecv on the neighbour, with the same size; "
-                  "wait() on both before reusing buffers; and a blocking dist.recv before dist.send on every rank "
-                  "waits forever.")
+def ring_hang_hint() -> str:
+    """What to check when a ring hangs, in the course's language (run_on_ranks's hang_hint for exercise 2)."""
+    return tr("In a ring every dist.isend needs the matching dist.irecv on the neighbour, with the same size; "
+              "wait() on both before reusing buffers; and a blocking dist.recv before dist.send on every rank "
+              "waits forever.",
+              "在 ring 里，每个 dist.isend 都要在相邻 rank 上有大小相同、与之配对的 dist.irecv；"
+              "复用缓冲区之前两边都要 wait()；"
+              "而如果每个 rank 都先阻塞地 dist.recv 再 dist.send，就会永远等下去。")
 
 
-def run_on_ranks(job: Callable, world_size: int, args: tuple = (), what: str = "your code",
+def run_on_ranks(job: Callable, world_size: int, args: tuple = (), what: str | None = None,
                  timeout: float | None = None, hang_hint: str = "") -> list:
     """launch(job, world_size, args) -> per-rank results; failures -> AssertionError in plain words: the whole
     exception message (gloo's included) and the learner's line; for a hang, the rank that is not in the
     collective the others wait in, and where it is."""
     timeout = timeout or launch_timeout()
+    what = what or tr("your code", "你的代码")
     try:
         # A wait in a collective is called a hang well before the whole run's limit: the launcher's hang check names
         # the rank that is not in the collective; its time limit (a limit, not a diagnosis) blames no rank.
         return launch(job, world_size=world_size, args=args, timeout=timeout, hang_timeout=0.5 * timeout)
     except RankError as e:
-        head = re.sub(r"^rank (\d+) of (\d+) raised ", r"on rank \1 of \2, " + what + " raised ", _whole(e))
+        head = re.sub(r"^rank (\d+) of (\d+) raised ",
+                      tr(r"on rank \1 of \2, " + what + " raised ",
+                         r"在 \2 个 rank 中的 rank \1 上，" + what + " 抛出了 "),
+                      _whole(e))
         raise AssertionError(head + _learner_line(e.traceback)) from None
     except RankHangError as e:
         where = ""
@@ -131,18 +142,22 @@ def run_on_ranks(job: Callable, world_size: int, args: tuple = (), what: str = "
             line = _learner_line(e.stacks.get(rank, ""), innermost_first=True)  # faulthandler: newest call first
             status = e.statuses.get(rank, "")
             if culprits:
-                where = f" Rank {rank} is not in the collective the other ranks wait in ({status})"
-                where += f"; it is{line}." if line else "."
+                where = tr(f" Rank {rank} is not in the collective the other ranks wait in ({status})",
+                           f" rank {rank} 没有进入其他 rank 正在等待的集合通信（{status}）")
+                where += tr(f"; it is{line}.", f"{line}。") if line else tr(".", "。")
                 break
             if line:
-                where = f" Rank {rank} was waiting{line}."
+                where = tr(f" Rank {rank} was waiting{line}.", f" rank {rank} 在等待{line}。")
                 break
-        raise AssertionError(f"{what} hung: the ranks did not finish within {timeout:g} s.{where}"
-                             + (f" {hang_hint}" if hang_hint else "")) from None
+        hint = f" {hang_hint}" if hang_hint else ""
+        raise AssertionError(tr(f"{what} hung: the ranks did not finish within {timeout:g} s.{where}{hint}",
+                                f"{what} 卡住了：各 rank 在 {timeout:g} s 内没有结束。{where}{hint}")) from None
     except CollectiveMismatchError as e:
-        raise AssertionError(f"{what}: ranks called different collectives ({_whole(e)})") from None
+        raise AssertionError(tr(f"{what}: ranks called different collectives ({_whole(e)})",
+                                f"{what}：各 rank 调用了不同的集合通信（{_whole(e)}）")) from None
     except LaunchError as e:
-        raise AssertionError(f"could not run {what} on {world_size} ranks: {_whole(e)}") from None
+        raise AssertionError(tr(f"could not run {what} on {world_size} ranks: {_whole(e)}",
+                                f"无法在 {world_size} 个 rank 上运行 {what}：{_whole(e)}")) from None
 
 
 MAX_RANK_MESSAGE = 1800   # characters of a launcher's message kept (the grader cuts notes to --max-output too)

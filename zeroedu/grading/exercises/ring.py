@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from zeroedu.grading.exercises.ranks import RING_HANG_HINT, SendCounter, not_implemented, run_on_ranks
+from zeroedu.grading.exercises.ranks import SendCounter, not_implemented, ring_hang_hint, run_on_ranks
 from zeroedu.grading.remote import in_kernel, wire_problem
 from zeroedu.i18n import tr
 
@@ -91,7 +91,7 @@ def _collect(op: str, fn: Callable, cases: list[tuple[int, str]], world_size: in
     """In the kernel: the per-rank rows, or the launch's failure in plain words."""
     try:
         return {"rows": run_on_ranks(_job, world_size, args=(op, fn, cases), what=getattr(fn, "__name__", op),
-                                     hang_hint=RING_HANG_HINT)}
+                                     hang_hint=ring_hang_hint())}
     except AssertionError as e:
         return {"error": str(e)}
 
@@ -228,8 +228,10 @@ class RingRun:
         for rank, row in self._cases(average=False):
             if row["collectives"]:
                 names = ", ".join(sorted(set(row["collectives"])))
-                raise AssertionError(f"{self.name} called a torch.distributed collective ({names}) on rank {rank}: "
-                                     "build it from point-to-point dist.isend/dist.irecv only.")
+                raise AssertionError(tr(f"{self.name} called a torch.distributed collective ({names}) on rank "
+                                        f"{rank}: build it from point-to-point dist.isend/dist.irecv only.",
+                                        f"{self.name} 在 rank {rank} 上调用了 torch.distributed 的集合通信（{names}）："
+                                        "只能用点对点的 dist.isend/dist.irecv 来搭。"))
             elem = row["want"].element_size()
             numel = row["numel"]
             total_bytes = numel * elem
@@ -237,36 +239,46 @@ class RingRun:
             sent = row["sent"]
             by_case.setdefault((numel, row["dtype"]), []).append(sent)
             if sent == 0 and n > 1 and numel >= n:
-                raise AssertionError(f"{self.name} sent no bytes point-to-point on rank {rank}: use dist.isend and "
-                                     "dist.irecv (or dist.P2POp with dist.batch_isend_irecv).")
+                raise AssertionError(tr(f"{self.name} sent no bytes point-to-point on rank {rank}: use dist.isend "
+                                        "and dist.irecv (or dist.P2POp with dist.batch_isend_irecv).",
+                                        f"{self.name} 在 rank {rank} 上没有点对点发送任何字节：请用 dist.isend 和 "
+                                        "dist.irecv（或 dist.P2POp 配合 dist.batch_isend_irecv）。"))
             slack = factor * max(chunk_sizes(numel, n)) * elem if numel % n else 0
             if abs(sent - theory) > slack:
-                per = "S/N, one chunk," if sent > theory else "one chunk (S/N)"
                 chunks = sent / (total_bytes / n)
                 if sent <= theory:
-                    why = "Some chunk did not travel around the whole ring."
+                    why = tr("Some chunk did not travel around the whole ring.", "有的块没有沿 ring 走完一整圈。")
                 elif abs(sent - factor * (n - 1) * total_bytes) <= slack:
-                    why = "That is the whole tensor at every step: send one chunk per step."
+                    why = tr("That is the whole tensor at every step: send one chunk per step.",
+                             "这相当于每一步都发了整个张量：每一步只发一块。")
                 elif abs(chunks - round(chunks)) < 1e-6 and round(chunks) > factor * (n - 1):
                     extra = round(chunks) - factor * (n - 1)
-                    why = (f"That is {extra} chunk(s) more than the ring's {factor * (n - 1)}: count the steps, a "
-                           f"ring of N ranks takes N-1 = {n - 1}" + (" per phase." if factor == 2 else "."))
+                    why = tr(f"That is {extra} chunk(s) more than the ring's {factor * (n - 1)}: count the steps, a "
+                             f"ring of N ranks takes N-1 = {n - 1}" + (" per phase." if factor == 2 else "."),
+                             f"这比 ring 的 {factor * (n - 1)} 块多了 {extra} 块：数一数步数，N 个 rank 的 ring "
+                             + ("每个阶段" if factor == 2 else "") + f"走 N-1 = {n - 1} 步。")
                 else:
-                    why = "Send exactly one chunk per step."
-                raise AssertionError(
+                    why = tr("Send exactly one chunk per step.", "每一步恰好发一块。")
+                raise AssertionError(tr(
                     f"rank {rank} sent {sent} bytes for a {total_bytes}-byte tensor on {n} ranks; a ring sends "
-                    f"{factor}·(N-1)/N·S = {theory:g} bytes: {factor * (n - 1)} step(s) of {per} each. {why}")
+                    f"{factor}·(N-1)/N·S = {theory:g} bytes: {factor * (n - 1)} step(s) of "
+                    f"{'S/N, one chunk,' if sent > theory else 'one chunk (S/N)'} each. {why}",
+                    f"{n} 个 rank 处理 {total_bytes} 字节的张量，rank {rank} 发送了 {sent} 字节；ring 应发送 "
+                    f"{factor}·(N-1)/N·S = {theory:g} 字节：{factor * (n - 1)} 步，每步一块（S/N）。{why}"))
         for (numel, dtype), sent in by_case.items():
             total = factor * (n - 1) * numel * getattr(torch, dtype).itemsize
             if sum(sent) != total:
-                raise AssertionError(f"the {n} ranks sent {sum(sent)} bytes in all for {numel} elements of {dtype}; "
-                                     f"a ring sends {factor}·(N-1)·S = {total}: each chunk travels N-1 hops.")
+                raise AssertionError(tr(f"the {n} ranks sent {sum(sent)} bytes in all for {numel} elements of "
+                                        f"{dtype}; a ring sends {factor}·(N-1)·S = {total}: each chunk travels N-1 "
+                                        "hops.",
+                                        f"{n} 个 rank 为 {numel} 个 {dtype} 元素一共发送了 {sum(sent)} 字节；"
+                                        f"ring 应发送 {factor}·(N-1)·S = {total} 字节：每一块要走 N-1 跳。"))
 
     # -- display ----------------------------------------------------------------------------------------------
     def table(self) -> str:
         """Bytes each rank sent, next to the ring's (N-1)/N·S, one line per size."""
         if self.error:
-            return f"{self.name} did not run: {self.error}"
+            return tr(f"{self.name} did not run: {self.error}", f"{self.name} 没有跑起来：{self.error}")
         n = self.world_size
         factor = 2 if self.op == "all_reduce" else 1
         lines = [f"{self.name} on {n} ranks: bytes sent per rank vs {'2·' if factor == 2 else ''}(N-1)/N·S"]
@@ -286,7 +298,7 @@ def _run(op: str, fn: Callable, probe_args: tuple, sizes: list[int], world_size:
     run = RingRun(op, name, world_size)
     stub = in_kernel(not_implemented, fn, *probe_args)
     if stub is not None:
-        run.error = f"not implemented yet: {stub}"
+        run.error = tr(f"not implemented yet: {stub}", f"尚未实现：{stub}")
         return run
     cases = [(int(s), str(dtype).removeprefix("torch.")) for s in sizes]
     out = in_kernel(_collect, op, fn, cases, world_size)
@@ -295,7 +307,7 @@ def _run(op: str, fn: Callable, probe_args: tuple, sizes: list[int], world_size:
         return run
     claimed = sum(row["sent"] for rows in out["rows"] for row in rows
                   if isinstance(row, dict) and isinstance(row.get("sent"), int))
-    problem = wire_problem(claimed, name, "counted by SendCounter")
+    problem = wire_problem(claimed, name, tr("counted by SendCounter", "由 SendCounter 统计"))
     if problem:
         run.error = problem
         return run

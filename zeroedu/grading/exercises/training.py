@@ -35,6 +35,7 @@ from zeroedu.config import load_config
 from zeroedu.fmt import approx
 from zeroedu.grading.exercises.ranks import run_on_ranks
 from zeroedu.grading.remote import in_kernel, wire_problem
+from zeroedu.i18n import tr
 from zeroedu.models import MLP, Quirky, TinyGPT, TinyGPTConfig, gpt_batch, mlp_batch, quirky_batch, shard_batch
 from zeroedu.precision import DTYPES
 
@@ -52,7 +53,8 @@ def make_model(name: str, seed: int = 0) -> nn.Module:
         return TinyGPT(GPT, seed=seed)
     if name == "quirky":
         return Quirky(seed)
-    raise ValueError(f"unknown model {name!r}: use 'mlp', 'gpt' or 'quirky'")
+    raise ValueError(tr(f"unknown model {name!r}: use 'mlp', 'gpt' or 'quirky'",
+                        f"未知模型 {name!r}：请用 'mlp'、'gpt' 或 'quirky'"))
 
 
 def make_batch(name: str, step: int, n: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,51 +297,72 @@ class TrainRun:
     def _check_case(self, i: int, case: Case) -> None:
         rows, ref = self.ranks[i], self.refs[i]
         tol = TOLERANCE[case.precision]
-        where = f"{case.name}:"
+        where = tr(f"{case.name}:", f"{case.name}：")
         steps = [len(r["grads"]) for r in rows]
         if steps[0] != case.steps:
-            raise AssertionError(f"{where} the optimizer stepped {steps[0]} times in {case.steps} steps "
-                                 f"of {case.accum} micro-step(s); it steps once per accumulation boundary.")
+            raise AssertionError(tr(f"{where} the optimizer stepped {steps[0]} times in {case.steps} steps "
+                                    f"of {case.accum} micro-step(s); it steps once per accumulation boundary.",
+                                    f"{where}{case.steps} 步（每步 {case.accum} 个微批次）里优化器 step 了 "
+                                    f"{steps[0]} 次；"
+                                    "它应该在每个梯度累积边界 step 一次。"))
         for step in range(case.steps):
             got, want = self.grads(i, step), ref["grads"][step]
             d, worst = dict_rel(got, want)
             if d > tol:
                 before = self.replica_problem(i, step - 1) if step > 0 else None
                 if before:
-                    raise AssertionError(f"{where} {before} So step {step} computed its gradient with wrong weights.")
-                raise AssertionError(where + " " + self.diagnose_grads(i, step, got, want, worst, d))
+                    raise AssertionError(tr(f"{where} {before} So step {step} computed its gradient with wrong "
+                                            "weights.", f"{where}{before} 所以第 {step} 步是用错误的权重算的梯度。"))
+                raise AssertionError(where + tr(" ", "") + self.diagnose_grads(i, step, got, want, worst, d))
         losses = [sum(r["losses"][s] for r in rows) / len(rows) for s in range(case.steps)]
         for step, (a, b) in enumerate(zip(losses, ref["losses"], strict=True)):
             if not abs(a - b) <= tol * max(1.0, abs(b)):   # NaN-safe: a NaN loss fails
-                raise AssertionError(f"{where} the loss at step {step} is {a:.6f} averaged over ranks, one process "
-                                     f"on the whole batch gets {b:.6f}.")
+                raise AssertionError(tr(f"{where} the loss at step {step} is {a:.6f} averaged over ranks, one "
+                                        f"process on the whole batch gets {b:.6f}.",
+                                        f"{where}第 {step} 步各 rank 平均的 loss 是 {a:.6f}，单进程跑整个 batch "
+                                        f"得到 {b:.6f}。"))
         d, worst = dict_rel(rows[0]["weights"], ref["weights"][-1])
         if d > tol:
-            raise AssertionError(f"{where} after {case.steps} steps the fp32 master weights are {d:.2g} (relative) "
-                                 f"away from the single-process run's, most of all {worst!r}, although the "
-                                 "gradients were right: the optimizer step or the master weights went wrong.")
+            raise AssertionError(tr(f"{where} after {case.steps} steps the fp32 master weights are {d:.2g} "
+                                    f"(relative) away from the single-process run's, most of all {worst!r}, although "
+                                    "the gradients were right: the optimizer step or the master weights went wrong.",
+                                    f"{where}{case.steps} 步之后，fp32 主权重与单进程的结果相差 {d:.2g}（相对误差），"
+                                    f"差得最多的是 {worst!r}，而梯度是对的：问题出在优化器 step 或 fp32 主权重上。"))
 
     def diagnose_grads(self, i: int, step: int, got: dict, want: dict, worst: str, d: float) -> str:
         case = self.cases[i]
         n, tol = case.world_size, TOLERANCE[case.precision]
-        head = f"at step {step} the gradient the optimizer received"
+        zh_head = f"第 {step} 步优化器拿到的梯度"
         ratio = _scale_of(got, want, tol)
         if ratio is not None and n > 1 and abs(ratio - n) < 1e-2 * n:
-            return (f"{head} is {n} times the gradient of the whole batch: it is the sum over the {n} ranks. "
-                    "Average it: divide by N (average=True).")
-        for c, what in ((1, ""), (n, f", and {n} times too big (divide by N)")):
+            return tr(f"at step {step} the gradient the optimizer received is {n} times the gradient of the whole "
+                      f"batch: it is the sum over the {n} ranks. "
+                      "Average it: divide by N (average=True).",
+                      f"{zh_head}是整个 batch 梯度的 {n} 倍：它是 {n} 个 rank 的总和。"
+                      "要取平均：除以 N（average=True）。")
+        for k, c in enumerate((1, n)):
             for m, micro in enumerate(self.refs[i]["micro_grads"][step]):
                 scaled = {k: v * c for k, v in micro.items()}
                 if dict_rel(got, scaled)[0] <= max(tol, 1e-4):
-                    return (f"{head} is only micro-step {m + 1}'s share of it (of {case.accum}){what}: the other "
-                            "micro-steps' reduced gradients were lost. Accumulate: add each micro-step's reduced "
-                            "gradient into the shard, do not overwrite it.")
+                    return tr(f"at step {step} the gradient the optimizer received is only micro-step {m + 1}'s "
+                              f"share of it (of {case.accum})"
+                              f"{(', and ' + str(n) + ' times too big (divide by N)') if k else ''}: the other "
+                              "micro-steps' reduced gradients were lost. Accumulate: add each micro-step's reduced "
+                              "gradient into the shard, do not overwrite it.",
+                              f"{zh_head}只是第 {m + 1} 个微批次（共 {case.accum} 个）的那一份"
+                              f"{f'，而且大了 {n} 倍（要除以 N）' if k else ''}：其他微批次"
+                              "归约后的梯度丢了。要累积：把每个微批次归约后的梯度加到分片上，而不是覆盖。")
         zero = [k for k in want if float(got[k].abs().max()) == 0 and float(want[k].abs().max()) > 0]
         if zero:
-            return (f"{head} is zero for {', '.join(repr(k) for k in zero[:3])}: these gradients never reached the "
-                    "optimizer (was their bucket reduced?).")
-        return (f"{head} is {d:.2g} (relative) away from the gradient of the whole batch in one process, most of all "
-                f"for {worst!r}.")
+            names = ", ".join(repr(k) for k in zero[:3])
+            return tr(f"at step {step} the gradient the optimizer received is zero for {names}: these gradients "
+                      "never reached the "
+                      "optimizer (was their bucket reduced?).",
+                      f"{zh_head}在 {names} 上是 0：这些梯度没有到达优化器（它们的桶归约了吗？）。")
+        return tr(f"at step {step} the gradient the optimizer received is {d:.2g} (relative) away from the "
+                  "gradient of the whole batch in one process, most of "
+                  f"all for {worst!r}.",
+                  f"{zh_head}与单进程整个 batch 的梯度相差 {d:.2g}（相对误差），差得最多的是 {worst!r}。")
 
     def check_replicas(self) -> None:
         """After every step, every rank's compute-dtype parameters equal the reference weights."""
@@ -348,7 +371,7 @@ class TrainRun:
             for step in range(case.steps):
                 problem = self.replica_problem(i, step)
                 if problem:
-                    raise AssertionError(f"{case.name}: {problem}")
+                    raise AssertionError(tr(f"{case.name}: {problem}", f"{case.name}：{problem}"))
 
     def replica_problem(self, i: int, step: int) -> str | None:
         """What is wrong with some rank's compute parameters after `step`, or None (also when a stage keeps no
@@ -365,9 +388,11 @@ class TrainRun:
             d, worst = dict_rel(got, want)
             if differs or d > TOLERANCE[case.precision]:
                 name = max(differs, key=lambda k: rel(got[k], want[k])) if differs else worst
-                return (f"after step {step}, rank {rank}'s parameter {name!r} is not the updated one"
-                        + ("" if not differs or rank == 0 else " (it differs from rank 0's)")
-                        + self._stale(i, rank, step, name))
+                return tr(f"after step {step}, rank {rank}'s parameter {name!r} is not the updated one"
+                          + ("" if not differs or rank == 0 else " (it differs from rank 0's)"),
+                          f"第 {step} 步之后，rank {rank} 的参数 {name!r} 不是更新后的值"
+                          + ("" if not differs or rank == 0 else "（与 rank 0 的不同）")
+                          ) + self._stale(i, rank, step, name)
         return None
 
     def _stale(self, i: int, rank: int, step: int, name: str) -> str:
@@ -386,17 +411,21 @@ class TrainRun:
                 own += changed[moved & mine].tolist()
                 other += changed[moved & ~mine].tolist()
         if own and other and any(own) and not any(other):
-            return (": the elements this rank owns were updated, the others still hold their values from before "
-                    "the step. Each rank steps only its own piece; the other ranks' pieces reach it only through "
-                    "the all-gather after the step.")
+            return tr(": the elements this rank owns were updated, the others still hold their values from before "
+                      "the step. Each rank steps only its own piece; the other ranks' pieces reach it only through "
+                      "the all-gather after the step.",
+                      "：本 rank 持有的元素更新了，其余元素还是 step 之前的值。每个 rank 只 step 自己那一块；"
+                      "其他 rank 的那几块只能通过 step 之后的 all-gather 拿到。")
         if own and not any(own) and not any(other):
-            return (": none of its elements changed in the step. The updated fp32 master weights must be copied "
-                    "into the compute-dtype parameters (and, when sharded, all-gathered).")
-        return "."
+            return tr(": none of its elements changed in the step. The updated fp32 master weights must be copied "
+                      "into the compute-dtype parameters (and, when sharded, all-gathered).",
+                      "：这一步里它的元素一个都没变。更新后的 fp32 主权重必须拷回计算 dtype 的参数"
+                      "（分片时还要 all-gather）。")
+        return tr(".", "。")
 
     def table(self) -> str:
         if self.error:
-            return f"{self.what} did not run: {self.error}"
+            return tr(f"{self.what} did not run: {self.error}", f"{self.what} 没有跑起来：{self.error}")
         w = max(len(c.name) for c in self.cases) + 2
         lines = [f"{'case':<{w}} {'step':>4} {'loss (ranks)':>13} {'loss (1 process)':>17}"]
         for i, case in enumerate(self.cases):
@@ -461,12 +490,13 @@ def ledger_claim(rows_by_case: list[list[dict]]) -> int:
     return total
 
 
-def train_on_ranks(engine_for_rank: Callable[[Case], type], cases: list[Case], what: str = "your code",
+def train_on_ranks(engine_for_rank: Callable[[Case], type], cases: list[Case], what: str | None = None,
                    extra: Callable | None = None, ref: bool = True) -> TrainRun:
     """Train every case with the class engine_for_rank(case) returns, one launch per world size, next to the
     learner's code (in_kernel); the reference runs where this is called. extra(engine, case) -> dict adds
     exercise-specific measurements to each rank's row. Under the grader, engine_for_rank and extra must pickle
     (module-level functions, functools.partial of them)."""
+    what = what or tr("your code", "你的代码")
     run = TrainRun(what, list(cases))
     # The learner's cases and the engine's own (engine="zeroedu", for comparison) run in separate requests: the
     # wire counted during each must cover the bytes its own ranks claim, and the engine's honest traffic must not
@@ -478,7 +508,9 @@ def train_on_ranks(engine_for_rank: Callable[[Case], type], cases: list[Case], w
         if "error" in out:
             run.error = str(out["error"])
             return run
-        problem = wire_problem(ledger_claim(out["rows"]), what, "their ledgers' collectives and the engine's checks")
+        problem = wire_problem(ledger_claim(out["rows"]), what,
+                               tr("their ledgers' collectives and the engine's checks",
+                                  "来自通信账本（ledger）里的集合通信和引擎自己的校验"))
         if problem:
             run.error = problem
             return run

@@ -1,0 +1,175 @@
+"""Issue 28: the exercise harnesses' hints speak the notebook's language.
+
+Every message a harness in zeroedu/grading/exercises/ gives a learner goes through `tr(en, zh)`: read from the
+source (no English sentence is left outside a tr() but for the allow-list below, each with its reason) and seen by
+calling a few harness checks on wrong inputs in 中文 and in English (no ranks, no kernels: milliseconds)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import zeroedu
+from zeroedu.grading import grader, wire
+from zeroedu.grading.exercises import (
+    ddp_buckets,
+    learner_code,
+    memory,
+    offload_step,
+    qwz_quantize,
+    ranks,
+    ring,
+    stage2_accumulation,
+    stage3_gather,
+    training,
+)
+from zeroedu.i18n import ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+CJK = re.compile(r"[\u4e00-\u9fff]")
+SOURCES = sorted((ROOT / "zeroedu/grading/exercises").glob("*.py"))
+
+# Functions whose English literals are not messages to a learner.
+ALLOWED_FUNCTIONS = {
+    "table": "a results table the exercise notebooks print: numbers under code-like column names, not a hint",
+    "events_text": "exercise 3's trace of one backward (gradient ready / all-reduce bucket): a display, not a hint",
+    "bus_text": "exercise 7's list of copies per direction and dtype: a display, not a hint",
+}
+# English literals that are matched against text or name code, never shown as a sentence.
+ALLOWED_LITERALS = {
+    "^rank (\\d+) of (\\d+) raised ": "regex over the launcher's English message, rewritten into tr() text",
+    "\n\nTraceback from rank": "where the launcher's message ends and its tracebacks begin",
+    "site-packages": "a path filter: frames of installed libraries are not the learner's",
+    "/lib/python3": "a path filter: frames of the standard library are not the learner's",
+    "out of bounds": "matched in torch's error to add exercise 6's hint",
+    "Stage0WithYourHooks": "a class name",
+}
+
+
+def _literal_text(node: ast.AST) -> str:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return " ".join(v.value for v in node.values if isinstance(v, ast.Constant))
+    return ""
+
+
+def _is_prose(text: str) -> bool:
+    """Two English words or more, once code (name=value, dotted and snake_case names) is taken out."""
+    text = re.sub(r"\w+=\w+|\w+(\.\w+)+|\w*_\w*", " ", text)
+    return len(re.findall(r"[A-Za-z]{3,}", text)) >= 2
+
+
+def _english_left(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        # docstrings and the bare strings that document a constant
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            skip.add(id(node.value))
+        if isinstance(node, ast.JoinedStr):   # an f-string is judged whole, not part by part
+            skip |= {id(v) for v in node.values}
+        if isinstance(node, ast.FunctionDef) and node.name in ALLOWED_FUNCTIONS:
+            skip |= {id(n) for n in ast.walk(node)}
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_FRAME" for t in node.targets):
+            skip |= {id(n) for n in ast.walk(node)}   # the traceback regex
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "tr":
+            assert len(node.args) == 2, f"{path.name}:{node.lineno}: {ast.unparse(node)[:100]}"
+            zh = " ".join(_literal_text(n) for n in ast.walk(node.args[1]))
+            en = " ".join(_literal_text(n) for n in ast.walk(node.args[0]))
+            assert CJK.search(zh) or not _is_prose(en), f"{path.name}:{node.lineno}: no Chinese: {en[:80]}"
+            assert not CJK.search(en), f"{path.name}:{node.lineno}: Chinese in the English half"
+            skip |= {id(n) for arg in node.args for n in ast.walk(arg)}
+    return [f"{path.name}:{n.lineno}: {_literal_text(n)[:90]!r}" for n in ast.walk(tree)
+            if id(n) not in skip and _is_prose(_literal_text(n)) and _literal_text(n) not in ALLOWED_LITERALS]
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
+def test_no_harness_message_is_left_in_english_only(path):
+    assert _english_left(path) == []
+
+
+def test_the_static_check_sees_an_english_only_message(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('def f(x):\n    raise AssertionError(f"returned {x}, not a tensor: return a tensor")\n')
+    assert len(_english_left(bad)) == 1
+
+
+def test_the_grader_notes_a_learner_reads_have_a_chinese_form():
+    tree = ast.parse((ROOT / "zeroedu/grading/grader.py").read_text(encoding="utf-8"))
+    english = [" ".join(_literal_text(n) for n in ast.walk(call.args[0])) for call in ast.walk(tree)
+               if isinstance(call, ast.Call) and getattr(call.func, "id", "") == "tr"]
+    for note in ("cannot read", "matches no notebook in the solutions folder", "the rest of the output was dropped",
+                 "the grader could not grade this notebook", "only the newest is graded"):
+        assert any(note in text for text in english), note
+
+
+def _whole_tensor_scale(x: torch.Tensor, block: int):
+    s = x.abs().max() / 127
+    return torch.round(x / s).to(torch.int8), torch.full((*x.shape[:-1], -(-x.shape[-1] // block)), float(s))
+
+
+def _failures() -> list[str]:
+    """A few harness checks on wrong inputs, each one's hint."""
+    out = []
+
+    def hint(f, *args):
+        with pytest.raises((AssertionError, ValueError)) as e:
+            f(*args)
+        out.append(str(e.value))
+
+    hint(qwz_quantize.check_block_scales, _whole_tensor_scale)
+    hint(qwz_quantize.check_block_scales, lambda x, block: [x])
+    out.append(ddp_buckets._overlap_problem([("backward", False), ("reduce", 0)], [[0]], 2))
+    live = {"psi": 10, "world_size": 2, "precision": "bf16", "stages": {0: {"parameters": 20}}}
+    hint(memory.check_against_engine, lambda *a: {"parameters": 3}, live)
+    out.append(learner_code.not_your_own(5, ()))
+    row = dict(got=torch.ones(2), want=torch.ones(2), numel=8, dtype="float32", average=False, own=torch.ones(2),
+               total=torch.ones(8), sent=0, collectives=[])
+    hint(ring.RingRun("reduce_scatter", "ring_reduce_scatter", 4, rows=[[row]]).check_bytes)
+    case = training.Case("c0")
+    hint(offload_step.OffloadRun("x", [case], ranks=[[{"calls": {}}]]).check_calls, 0)
+    hint(stage3_gather.Stage3Run("x", [case], ranks=[[{"meter": {"fetch": 0, "release": 0}}]]).check_memory)
+    ledger_run = stage2_accumulation.Stage2Run("x", [training.Case("z", engine="zeroedu")], ranks=[[{
+        "layout": [{"params": [("w", 0, (2, 3))]}], "dtype": "float32", "stage": 2, "ledger": []}]])
+    hint(stage2_accumulation.check_traffic_prediction, lambda *a: None, ledger_run)
+    out.append(ranks.ring_hang_hint())
+    out.append(wire.claim_problem(5, 4, "ring_reduce_scatter", "SendCounter"))
+    return out
+
+
+def test_harness_hints_speak_chinese_under_zeroedu_lang_zh(monkeypatch):
+    monkeypatch.setenv(ENV, "en")
+    zeroedu.lang("zh")
+    hints = _failures()
+    assert len(hints) == 11
+    for text in hints:
+        assert CJK.search(text), text
+    assert "这是整个张量的 scale：每个块要有自己的 scale。" in hints[0]
+    assert hints[2].startswith("桶 0 在第 0 次 backward 中（2 个微批次中的第 1 个）做了 all-reduce")
+    assert "引擎在每个 rank 上实际持有 20 字节" in hints[3]
+    assert "没有点对点发送任何字节" in hints[5]
+    assert hints[10].endswith("这个测试记 0 分。")
+
+
+def test_the_english_hints_are_unchanged(monkeypatch):
+    monkeypatch.setenv(ENV, "en")
+    hints = _failures()
+    assert not any(CJK.search(text) for text in hints), hints
+    assert hints[0].endswith(" That is the scale of the whole tensor: each block needs its own.")
+    assert hints[1] == "quantize_blocks returned list; return a tuple (codes, scales) of two tensors"
+    assert hints[2].startswith("bucket 0 was all-reduced in backward 0 (micro-step 1 of 2), which is not the last "
+                               "micro-step")
+    assert hints[3] == ("stage 0, Ψ=10, N=2, bf16: your parameters = 3, the engine holds 20 bytes of it on each "
+                        "rank (engine.memory(): parameters).")
+    assert hints[4] == "5 is not a class: write the class the template asks for"
+    assert hints[5] == ("ring_reduce_scatter sent no bytes point-to-point on rank 0: use dist.isend and dist.irecv "
+                        "(or dist.P2POp with dist.batch_isend_irecv).")
+
+
+def test_grader_module_imports_tr():
+    assert grader.tr is zeroedu.i18n.tr
