@@ -188,6 +188,30 @@ def test_paper_table1_by_hand():
     # 16/64 x 7.5 = 1.875 GB, the numbers of the ZeRO paper's Figure 1 and of Table 1's N = 64 row
     assert rows[64] == pytest.approx([120.0, 31.40625, 16.640625, 1.875])
     assert rows[1] == pytest.approx([120.0] * 4)
+    # the same rows by name (notebook 07): a Table1Row per N, still a tuple for the positional readers above
+    at_64 = next(r for r in course.paper_table1() if r.world_size == 64)
+    assert isinstance(at_64, course.Table1Row) and (at_64.stage0, at_64.stage3) == pytest.approx((120.0, 1.875))
+    assert at_64.by_stage == tuple(at_64[1:]) and [f"{gb:.3g}" for gb in at_64.by_stage] == ["120", "31.4", "16.6",
+                                                                                             "1.88"]
+
+
+def test_scaling_runs_name_each_number():
+    """Notebook 07's runs[stage, N]: course.train's per-rank dicts, filed by name (rank 0's bytes, every rank's
+    model states, the largest padded bucket), from a hand-made launch result of 2 ranks and 2 stages."""
+    def result(rank: int, stage: int) -> dict:
+        return {"psi": 10, "layout": [7, 3], "buckets": [(1, 7, 8), (1, 3, 4)],
+                "memory": {"parameters": 20 + rank, "gradients": 10, "master_weights": 40, "optimizer_state": 80,
+                           "activations": 5},
+                "peak": {"parameters": 20, "gradients": 12, "activations": 64}, "peak_phase": "backward",
+                "bucket_bytes_high": 16 if stage else None}
+
+    runs = course.scaling_runs({2: [{s: result(rank, s) for s in (0, 2)} for rank in range(2)]})
+    assert sorted(runs) == [(0, 2), (2, 2)]
+    run = runs[2, 2]
+    assert isinstance(run, course.ScalingRun) and (run.stage, run.world_size, run.psi) == (2, 2, 10)
+    assert run.model_states == 150 and run.model_states_per_rank == [150, 151]      # activations are not a state
+    assert run.peak_model_states == 32 and run.largest_bucket == 8 and run.bucket_bytes_high == 16
+    assert run.layout == [7, 3] and run.peak_phase == "backward" and runs[0, 2].bucket_bytes_high is None
 
 
 def test_cpu_adam_node_seconds_by_hand():

@@ -21,6 +21,20 @@ def test_tour_matches_theory(tmp_path):
     assert "stage" in tour.report(rows, 2)
 
 
+def test_tour_caption_says_why_stage_0_has_no_activations():
+    """The figure's caption names the reason only when the bars show it: stage 0 peaks in the optimizer step with
+    (almost) no activations while the sharded stages peak in backward; otherwise it says what to see in general."""
+    def row(stage: int, phase: str, activations: int) -> dict:
+        return {"stage": stage, "peak_phase": phase,
+                "peak_by_category": {"parameters": 1000, "activations": activations}}
+
+    rows = [row(0, "step", 8), *(row(s, "backward", 900) for s in (1, 2, 3))]
+    assert tour.caption(rows).startswith("Stage 0's bar has almost no activations: it peaks in Adam's")
+    assert tour.caption([row(0, "step", 0), *rows[1:]]).startswith("Stage 0's bar has no activations")
+    other = tour.caption([row(0, "backward", 900), *rows[1:]])
+    assert other.startswith("Each bar:") and "activations do not" in other
+
+
 def test_bench_runs_every_stage_against_its_peer():
     """`zeroedu bench` on a tiny workload: every pair runs, timed rounds are paired, zeroedu's model states
     and ledger bytes per step equal theory (the times themselves are not checked: they belong to benchmarks)."""

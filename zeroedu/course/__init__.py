@@ -86,7 +86,8 @@ from zeroedu.course.interview import (
 )
 from zeroedu.course.memory_timeline import MemoryRun, replay_peak, save_snapshot, timeline_run
 from zeroedu.course.memory_timeline import plot as memory_plot
-from zeroedu.course.offload import cpu_adam_node_seconds, offload_config, offload_runs, paper_table1
+from zeroedu.course.offload import Table1Row, cpu_adam_node_seconds, offload_config, offload_runs, paper_table1
+from zeroedu.course.scaling import ScalingRun, scaling_run, scaling_runs
 from zeroedu.course.traces import TraceRun, collective_events, exposed_comm, trace_run
 
 __all__ = [
@@ -102,4 +103,6 @@ __all__ = [
     "AFTER_GATHER", "AFTER_REDUCE", "AFTER_STEP", "END", "Frame", "Holding", "Holdings", "Stepper", "holdings_run",
     "holdings_figure", "holding_rows", "holdings_strip", "MemoryRun", "replay_peak", "save_snapshot", "timeline_run",
     "memory_plot", "TraceRun", "collective_events", "exposed_comm", "trace_run",
+    # notebook 07's results by name
+    "Table1Row", "ScalingRun", "scaling_run", "scaling_runs",
 ]

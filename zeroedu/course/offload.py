@@ -5,17 +5,36 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch.distributed as dist
 
 from zeroedu import theory
 
 
-def paper_table1(psi: float = 7.5e9, worlds: Sequence[int] = (1, 4, 16, 64, 256, 1024), k: int = 12) -> list[list]:
-    """Rows [N, stage 0, stage 1, stage 2, stage 3] in GB (1e9 bytes): model states per device for Psi parameters
+class Table1Row(NamedTuple):
+    """One row of the ZeRO paper's Table 1: model states per device, in GB (1e9 bytes), at data-parallel degree N.
+
+    A tuple too, so `n, *gb = row` and `row[1:]` read it as [N, stage 0, stage 1, stage 2, stage 3]."""
+
+    world_size: int
+    stage0: float
+    stage1: float
+    stage2: float
+    stage3: float
+
+    @property
+    def by_stage(self) -> tuple[float, float, float, float]:
+        """The four stages' GB, stage 0 first."""
+        return self.stage0, self.stage1, self.stage2, self.stage3
+
+
+def paper_table1(psi: float = 7.5e9, worlds: Sequence[int] = (1, 4, 16, 64, 256, 1024),
+                 k: int = 12) -> list[Table1Row]:
+    """Rows (N, stage 0, stage 1, stage 2, stage 3) in GB (1e9 bytes): model states per device for Psi parameters
     in mixed precision, over the data-parallel degree N, as the ZeRO paper's Table 1 sweeps it."""
 
-    return [[n, *(theory.model_state_bytes_paper(psi, n, s, k) / 1e9 for s in range(4))] for n in worlds]
+    return [Table1Row(n, *(theory.model_state_bytes_paper(psi, n, s, k) / 1e9 for s in range(4))) for n in worlds]
 
 
 def offload_config(stage: int, opt: str = "none", param: str = "none", nvme_path: str | None = None,

@@ -78,6 +78,8 @@ def run(world_size: int = 4, steps: int = 5, out: str | Path = "zeroedu_out/tour
             "theory_comm": theory.comm_bytes_per_step(psi, world_size, stage, "bf16", layout=layout),
             "peak": max(x["memory"]["peak_total"] for x in results),
             "peak_by_category": r["memory"]["peak"],
+            "peak_phase": r["memory"]["peak_phase"],
+            "world_size": world_size,
             "step_seconds": statistics.median(r["times"][1:]),
             "losses": r["losses"],
             "psi": psi,
@@ -117,6 +119,18 @@ def report(rows: list[dict], world_size: int) -> str:
     return "\n".join(lines)
 
 
+def caption(rows: list[dict]) -> str:
+    """The figure's one line under the bars: what to see, and why stage 0's bar has (almost) no activations."""
+    first, rest = rows[0], rows[1:]
+    act = first["peak_by_category"].get("activations", 0)
+    if (first.get("peak_phase") == "step" and act <= 0.01 * sum(first["peak_by_category"].values())
+            and rest and all(r.get("peak_phase") == "backward" for r in rest)):
+        return (f"Stage 0's bar has {'almost ' if act else ''}no activations: it peaks in Adam's full-size step, "
+                "after backward freed them; stages 1-3 step on 1/N and peak in backward.")
+    return ("Each bar: rank 0's bytes at its step's highest moment; the black tick: model states by the closed form. "
+            "Model states fall with the stage, activations do not.")
+
+
 def plot(rows: list[dict], out: str | Path) -> Path:
     import matplotlib
 
@@ -127,20 +141,29 @@ def plot(rows: list[dict], out: str | Path) -> Path:
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9, 4.6))
     bottom = [0.0] * len(rows)
+    names = [f"stage {r['stage']}" for r in rows]
     for cat in CATEGORIES:
         vals = [r["peak_by_category"].get(cat, 0) / 1024 for r in rows]
         if any(vals):
-            ax.bar([f"stage {r['stage']}" for r in rows], vals, bottom=bottom, label=cat.replace("_", " "))
+            ax.bar(names, vals, bottom=bottom, label=cat.replace("_", " "))
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     theory_total = [r["theory_memory"]["total"] / 1024 for r in rows]
     ax.scatter(range(len(rows)), theory_total, color="black", marker="_", s=600, zorder=3,
                label="theory: model states")
+    for i, r in enumerate(rows):      # when each bar's moment came
+        if r.get("peak_phase"):
+            phase = "the optimizer step" if r["peak_phase"] == "step" else r["peak_phase"]
+            ax.annotate(f"peak in {phase}", (i, bottom[i]), xytext=(0, 3), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=7)
     ax.set_ylabel("KiB per rank at the step's peak")
-    ax.set_title("Memory per rank by stage (measured), TinyGPT on 4 ranks")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
+    ax.set_ylim(0, max(bottom) * 1.08)
+    world = rows[0].get("world_size", 4)
+    ax.set_title(f"Memory per rank by stage (measured), TinyGPT on {world} ranks")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)   # beside the bars
+    fig.text(0.01, 0.015, caption(rows), fontsize=8, ha="left", va="bottom")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
