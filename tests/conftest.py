@@ -8,15 +8,23 @@
 - Under CI (CI=true, as GitHub Actions and .ci/run set it) a test that would skip because the grader's sandbox
   (bubblewrap) or the browser (Chromium, playwright, JupyterLab) is missing fails instead: .ci/run installs them,
   so a skip there means CI did not test what it claims to.
+- `wrong_answer_class`: the wrong-answer fixtures graded once as a class, for test_grading and test_kit.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Skip reasons that name what .ci/run installs (tests/test_grading.py's needs_sandbox, tests/test_browser.py).
 CI_INSTALLS = re.compile(r"bubblewrap|bwrap|Chromium|playwright|JupyterLab", re.IGNORECASE)
@@ -56,7 +64,8 @@ SLOW_TESTS = [
     # timeouts are 300-1500 s); test_a_100_mb_error... and the sandbox's own tests keep it in the fast tier
     "tests/test_grading.py::test_every_solution_scores_full_marks",
     "tests/test_grading.py::test_every_exercise_stub_scores_zero_with_a_helpful_message",
-    "tests/test_grading.py::test_wrong_answers_lose_their_points_with_a_hint",
+    "tests/test_grading.py::test_wrong_answers_lose_their_points_with_a_hint",    # conftest.wrong_answer_class
+    "tests/test_grading.py::test_deadlocked_ranks_are_ended_by_launch_not_by_the_kernel",
     "tests/test_grading.py::test_gradebook_of_three_learners_one_hanging_one_crashing",
     "tests/test_grading.py::test_printing_megabytes_and_deleting_outside_files",
     "tests/test_grading.py::test_hostile_submissions_score_what_they_should_and_change_nothing_outside",
@@ -128,6 +137,40 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if is_slow(item):
             item.add_marker(pytest.mark.slow)
+
+
+@dataclass
+class GradedClass:
+    """One `zeroedu grade` run over a class folder: its process, its --json gradebook by (learner, exercise), and
+    its misconception report in English and Chinese."""
+    proc: subprocess.CompletedProcess
+    results: dict[tuple[str, str], dict]
+    report_en: str
+    report_zh: str
+
+
+@pytest.fixture(scope="session")
+def wrong_answer_class(tmp_path_factory) -> GradedClass:
+    """Every wrong-answer fixture of test_grading.WRONG handed in by its own learner (the folder is the fixture's
+    name), graded once, as an instructor grades a class: `zeroedu grade --trusted --jobs 2 --json --report`.
+    test_grading checks each learner's points and hints from the gradebook, test_kit the misconception report of
+    the same run (the two used to grade the same eleven notebooks twice: 75 s of CI)."""
+    from test_grading import WRONG, make_submission
+
+    tmp = tmp_path_factory.mktemp("wrong-class")
+    subs = tmp / "subs"
+    for fixture, (exercise, _) in WRONG.items():
+        make_submission(exercise, fixture, subs / fixture.removesuffix(".cells"))
+    book, report = tmp / "gradebook.json", tmp / "report.md"
+    proc = subprocess.run([sys.executable, "-m", "zeroedu", "grade", str(subs), "--trusted", "--quiet", "--jobs", "2",
+                           "--timeout", "60", "--json", str(book), "--report", str(report)],
+                          capture_output=True, text=True, timeout=880, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {(learner["learner"], e["exercise"]): e for learner in json.loads(book.read_text())["learners"]
+               for e in learner["exercises"]}
+    return GradedClass(proc, results, report.read_text(encoding="utf-8"),
+                       (tmp / "report.zh.md").read_text(encoding="utf-8"))
 
 
 @pytest.fixture(autouse=True, scope="module")

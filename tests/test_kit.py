@@ -198,15 +198,10 @@ PLANTED = {   # fixture -> the misconceptions its first comment says it plants
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_report_on_the_wrong_answer_fixtures_names_each_planted_misconception(tmp_path):
+def test_report_on_the_wrong_answer_fixtures_names_each_planted_misconception(wrong_answer_class):
+    """The misconception report of the class run that test_grading's wrong-answer tests read (conftest)."""
     assert set(PLANTED) <= set(WRONG) and {f for f in WRONG if f.endswith(".cells")} == set(PLANTED)
-    subs = tmp_path / "subs"
-    for fixture in PLANTED:
-        make_submission(WRONG[fixture][0], fixture, subs / fixture.removesuffix(".cells"))
-    proc = _grade(str(subs), "--timeout", "60", "--report", str(tmp_path / "report.md"), timeout=880)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    en = (tmp_path / "report.md").read_text(encoding="utf-8")
-    zh = (tmp_path / "report.zh.md").read_text(encoding="utf-8")
+    en, zh = wrong_answer_class.report_en, wrong_answer_class.report_zh
     who = {}
     for line in en.split("## Who, per misconception")[1].strip().splitlines():
         label, names = line[2:].rsplit(": ", 1)
