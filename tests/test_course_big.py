@@ -79,10 +79,24 @@ def test_bucket_buffers_stay_constant_with_a_fixed_reduce_bucket_size():
     res = zeroedu.launch(course_big.bucket_bytes, world_size=2, args=((2, 4), 20_000))
     for r in res:
         (p2, n2, fixed2), (p4, n4, fixed4) = r[(2, "fixed")], r[(4, "fixed")]
+        assert r[(2, "fixed")].bucket_elements == 20_000 and r[(2, "fixed")].bucket_bytes_high == fixed2
         assert n2 == n4 == 20_000 and p4 > p2
         assert fixed2 == fixed4 <= 20_000 * 4                   # one fp32 buffer of at most a bucket (no overlap)
         (_, d2, default2), (_, d4, default4) = r[(2, "default")], r[(4, "default")]
         assert d4 > d2 and default4 > default2                  # sized by the model: grows with it
+
+
+def test_zero_r_names_its_results_as_notebook_11_reads_them():
+    """zero_r returns a ZeroR: (a) P_a halves the 3 checkpoints' bytes on 2 ranks and all-gathers each before its
+    recompute; (b) the ZeRO-R section moves block 0's checkpoint to the host, at most number_checkpoints of them."""
+    n = 256 * 64 * 4                                    # one layer input, fp32 bytes
+    r = zeroedu.launch(course_big.zero_r, world_size=2)[0]
+    assert r.unpartitioned.kept_bytes - r.partitioned.kept_bytes == 3 * n // 2
+    assert r.partitioned.gathers == [("all_gather", n // 2)] * 3 and r.unpartitioned.gathers == []
+    assert r.stage3_plain.block0_bytes > 0 == r.stage3_zero_r.block0_bytes
+    assert r.stage3_zero_r.stats["host_bytes_peak"] == 2 * 32 * 4 * 64 * 4
+    assert {op for op, _ in r.stage3_zero_r.host_copies} == {"d2h", "h2d"} and r.stage3_plain.host_copies == []
+    assert all(torch.equal(a, b) for a, b in zip(r.stage3_plain.losses, r.stage3_zero_r.losses, strict=True))
 
 
 # -- notebook 12: FSDP2 next to zeroedu ---------------------------------------------------------------------------

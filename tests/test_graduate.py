@@ -33,25 +33,26 @@ def runs(tmp_path_factory):
 
 
 def test_same_script_same_numbers(runs):
-    ours, theirs = runs[0]["zeroedu"], runs[0]["deepspeed"]
-    assert ours["batch"] == theirs["batch"] == [4, 1, 8]
-    assert ours["lrs"] == theirs["lrs"]
-    assert ours["losses"][0] == theirs["losses"][0]
+    ours, theirs = runs[0].zeroedu, runs[0].deepspeed
+    assert ours.batch == theirs.batch == (4, 1, 8) and ours.batch.micro == 4
+    assert ours.lrs == theirs.lrs
+    assert ours.losses[0] == theirs.losses[0]
     psi = sum(p.numel() for p in TinyGPT(seed=0).parameters())
     for r in (ours, theirs):
-        states = r["model_states"]
+        states = r.model_states
         # Each pads its flat buffer a little (to N, and DeepSpeed to its alignment): theory up to that padding.
         assert 0 <= states["parameters"] - 2 * psi <= 2 * 64 * N
         assert 0 <= states["master_weights"] - 4 * math.ceil(psi / N) <= 4 * 64
         assert states["optimizer_state"] == 2 * states["master_weights"]
     for c in ("parameters", "master_weights", "optimizer_state"):
-        assert ours["model_states"][c] == theirs["model_states"][c], c
-    assert ours["optimizer"] == "Adam" and theirs["optimizer"] == "AdamW"   # torch's, in both
+        assert ours.model_states[c] == theirs.model_states[c], c
+    assert ours.optimizer == "Adam" and theirs.optimizer == "AdamW"   # torch's, in both
     for r in (ours, theirs):   # the tracked peak holds at least the model states and some activations
-        assert r["peak_total"] > sum(r["model_states"].values()) and r["peak"]["activations"] > 0
+        assert r.peak_total > sum(r.model_states.values()) and r.peak["activations"] > 0
     for r in (ours, theirs):
-        assert r["consolidated"]["same_as_engine"]
-        assert "latest" in r["files"]
+        assert r.consolidated.same_as_engine
+        assert "latest" in r.files
+    assert runs[1].zeroedu.consolidated is None      # rank 0 consolidates
 
 
 def _clipping(rank: int, world: int) -> dict:

@@ -179,3 +179,29 @@ def test_zeropp_keeps_a_secondary_copy_of_the_parameters(extras):
         # hpZ: the primary 1/N shard plus the secondary partition over the hpZ group (2 ranks here: also 1/2)
         assert len(params) == 2 and sum(x.nbytes for x in params) == 2 * want["parameters"]
         assert all(x.dtype == "bfloat16" for x in params)
+
+
+def test_hpz_secondary_copy_is_named_and_the_step_ledgers_come_back(extras):
+    """hpZ's second, node-local partition is a buffer of its own ("hpZ secondary copy", the rank's piece of its
+    node), of theory's hpz_secondary_bytes; holdings_run returns every rank's ledger of the watched step, whose
+    bytes are theory.zeropp_comm_bytes'; the figure of notebook 09 speaks Chinese under zh."""
+    from zeroedu import i18n, zeropp
+    from zeroedu.i18n import figures
+
+    layout = extras.layouts["zeropp"]
+    want = theory.zeropp_comm_bytes(sum(layout), 2, 2, precision="bf16", layout=layout, hpz=True)
+    for fr in extras.at("zeropp", hd.AFTER_STEP):
+        secondary = [(x.piece, x.nbytes) for x in fr.holdings if x.buffer == "hpZ secondary copy"]
+        assert secondary == [(f"piece {fr.rank} of 2 (node 0)", want["hpz_secondary_bytes"])]
+    assert len(extras.ledgers["zeropp"]) == 2 and all(e.step == 1 for e in extras.ledgers["zeropp"][0])
+    got = zeropp.where_bytes_go(extras.ledgers["zeropp"], 2)
+    assert all(got[k] == want[k] for k in ("intra_node", "cross_node", "cross_node_per_node"))
+    before = i18n.current()
+    i18n.lang("zh")
+    try:
+        # the panels' names are the runs' (notebook 09's "hpZ", "ZeRO++" stay English, as the terms do)
+        fig = hd.figure({"stage 3": extras.at("zeropp", hd.AFTER_STEP)},
+                        title="Who holds what with hpZ")
+        assert figures.untranslated(fig) == []
+    finally:
+        i18n.lang(before)

@@ -16,15 +16,51 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 import zeroedu
 
+
 # -- notebook 11 -----------------------------------------------------------------------------------------------
+@dataclass
+class TensorParallelRun:
+    """zero_r (a) on one rank: three TensorParallelMLP layers, each block checkpointed."""
+
+    kept_bytes: int                      # bytes saved for backward on this rank (SavedActivations' total)
+    gathers: list[tuple[str, int]]       # the activation collectives (before each recompute): (op, bytes sent)
 
 
-def zero_r(rank: int, world: int) -> dict:
+@dataclass
+class Stage3Run:
+    """zero_r (b) on one rank: TinyGPT at stage 3, every block checkpointed, two steps."""
+
+    losses: list[torch.Tensor]           # this rank's loss at each step
+    block0_bytes: int                    # what block 0 keeps on the device for backward (the last step)
+    stats: dict                          # zeroedu.checkpointing.stats(): recomputes, host_bytes_peak, ...
+    host_copies: list[tuple[str, int]]   # the activation copies in the ledger: (op, bytes)
+
+
+@dataclass
+class ZeroR:
+    """zero_r's result: (a) without and with partition_activations, (b) without and with the ZeRO-R section."""
+
+    unpartitioned: TensorParallelRun
+    partitioned: TensorParallelRun
+    stage3_plain: Stage3Run
+    stage3_zero_r: Stage3Run
+
+
+class BucketRun(NamedTuple):
+    """bucket_bytes' result for one model and bucket setting."""
+
+    parameters: int          # the model's parameters (engine.layout.numel)
+    bucket_elements: int     # the bucket size the engine used
+    bucket_bytes_high: int   # the most bytes of bucket buffers alive at once on this rank
+
+
+def zero_r(rank: int, world: int) -> ZeroR:
     """(a) three TensorParallelMLP layers split over the ranks, checkpointed with and without
     `partition_activations` over the tensor-parallel group: bytes kept for backward, the all-gathers before
     recompute. (b) TinyGPT at stage 3, checkpointing each block, without and with the ZeRO-R section
@@ -35,7 +71,7 @@ def zero_r(rank: int, world: int) -> dict:
     from zeroedu.memory import SavedActivations
     from zeroedu.models import TensorParallelMLP, TinyGPT, TinyGPTConfig, gpt_batch, gpt_loss, shard_batch
 
-    out, comm = {}, Comm()
+    tp, s3, comm = {}, {}, Comm()
     for part in (False, True):                         # (a) tensor parallelism, t = world
         checkpointing.configure({"activation_checkpointing": {"partition_activations": part}}, tp_comm=comm)
         mlps = [TensorParallelMLP(64, comm, seed=i) for i in range(3)]
@@ -45,7 +81,8 @@ def zero_r(rank: int, world: int) -> dict:
                 h = h + checkpointing.checkpoint(m, h)
             loss = h.square().mean()
         loss.backward()
-        out[part] = (meter.total, [(e.op, e.sent_bytes) for e in comm.ledger if e.kind == "activations"])
+        tp[part] = TensorParallelRun(meter.total,
+                                     [(e.op, e.sent_bytes) for e in comm.ledger if e.kind == "activations"])
     for ac in (None, {"partition_activations": True, "cpu_checkpointing": True,   # (b) stage 3
                       "contiguous_memory_optimization": True, "number_checkpoints": 2}):
         checkpointing.configure(None)
@@ -61,17 +98,17 @@ def zero_r(rank: int, world: int) -> dict:
                 engine.backward(loss)
                 engine.step()
             losses.append(loss.detach())
-        out[str(ac is not None)] = (losses, engine.last_activations.under("blocks.0"), checkpointing.stats(),
-                                    [(e.op, e.sent_bytes) for e in engine.ledger if e.kind == "activations"])
+        s3[ac is not None] = Stage3Run(losses, engine.last_activations.under("blocks.0"), checkpointing.stats(),
+                                       [(e.op, e.sent_bytes) for e in engine.ledger if e.kind == "activations"])
     checkpointing.configure(None)
-    return out
+    return ZeroR(tp[False], tp[True], s3[False], s3[True])
 
 
 def bucket_bytes(rank: int, world: int, layers: tuple[int, ...] = (2, 8), fixed: int = 20_000) -> dict:
     """C_B, measured: TinyGPT with `layers` blocks trained one step at stage 2 with `reduce_bucket_size` = `fixed`
     elements and without it (zeroedu then sizes the bucket to the model, stages/sizing.py). Returns
-    {(n_layer, "fixed" | "default"): (parameters, bucket elements, engine.bucket_bytes_high)}: the most bytes
-    of bucket buffers alive at once on this rank."""
+    {(n_layer, "fixed" | "default"): BucketRun(parameters, bucket_elements, bucket_bytes_high)}, the last the most
+    bytes of bucket buffers alive at once on this rank."""
     from zeroedu.models import TinyGPT, TinyGPTConfig, gpt_batch, gpt_loss, shard_batch
 
     out = {}
@@ -85,7 +122,7 @@ def bucket_bytes(rank: int, world: int, layers: tuple[int, ...] = (2, 8), fixed:
             x, y = shard_batch(*gpt_batch(0, 2 * world, cfg_model), rank, world)
             engine.backward(gpt_loss(engine(x), y))
             engine.step()
-            out[(n_layer, name)] = (engine.layout.numel, engine.bucket_numel, engine.bucket_bytes_high)
+            out[(n_layer, name)] = BucketRun(engine.layout.numel, engine.bucket_numel, engine.bucket_bytes_high)
     return out
 
 
@@ -344,19 +381,62 @@ def nb12_four_ranks(rank: int, world: int, cap_sizes: tuple[int, ...], cap: int)
 # -- notebook 12: zero.Init, GatheredParameters, the 16-bit save, bytes per parameter ------------------------
 
 
-def init_and_cap(rank: int, world: int, sizes: tuple[int, ...]) -> dict:
+@dataclass
+class InitRun:
+    """MLP(sizes) built on one rank, with or without zero.Init, then trained 3 steps at stage 3."""
+
+    peak: int                     # the construction's peak on this rank (zeroedu.memory.PeakTracker), bytes
+    losses: list[torch.Tensor]    # this rank's loss at each step
+
+
+@dataclass
+class InitAndCap:
+    """init_and_cap's result on one rank."""
+
+    whole: InitRun                # built the ordinary way: every rank holds the whole model
+    inside: InitRun               # built inside zero.Init
+    cap: int                      # the MemoryCap: 3/4 of the model's fp32 bytes
+    cap_whole: str                # building it whole under the cap: "built", or the OutOfMemoryError's words
+    cap_inside: str               # the same inside zero.Init
+
+
+@dataclass
+class InitPeaks:
+    """init_peaks' result on one rank: the construction peak of MLP(sizes), in bytes."""
+
+    whole: int
+    inside: int
+
+
+def _build(sizes: tuple[int, ...], cfg: dict, use_init: bool):
+    """MLP(sizes) built with or without zero.Init, and the construction's peak bytes on this rank."""
+    from zeroedu import zero
+    from zeroedu.memory import PeakTracker
+    from zeroedu.models import MLP
+
+    with PeakTracker(dict, lambda: "build") as tracker, zero.Init(config=cfg, enabled=use_init):
+        model = MLP(sizes)
+    return model, tracker.peak_total
+
+
+def init_peaks(rank: int, world: int, sizes: tuple[int, ...]) -> InitPeaks:
+    """Only the construction of MLP(sizes), without and with zero.Init: the peaks (notebook 12's try-it cell)."""
+    cfg = _zero_config(3)
+    return InitPeaks(_build(sizes, cfg, False)[1], _build(sizes, cfg, True)[1])
+
+
+def init_and_cap(rank: int, world: int, sizes: tuple[int, ...]) -> InitAndCap:
     """MLP(sizes) built with and without zero.Init, the construction peak measured (zeroedu.memory.PeakTracker),
     then trained 3 steps at stage 3; and built again under a MemoryCap of 3/4 of the model's fp32 bytes."""
     from zeroedu import zero
-    from zeroedu.memory import MemoryCap, PeakTracker
+    from zeroedu.memory import MemoryCap
     from zeroedu.models import MLP, mlp_batch, mlp_loss, shard_batch
 
     cfg = _zero_config(3, stage3_gather_16bit_weights_on_model_save=True)
     cap = 3 * 4 * sum(p.numel() for p in MLP(sizes).parameters()) // 4
-    out = {"cap": cap}
+    runs, capped = {}, {}
     for use_init in (False, True):
-        with PeakTracker(dict, lambda: "build") as tracker, zero.Init(config=cfg, enabled=use_init):
-            model = MLP(sizes)
+        model, peak = _build(sizes, cfg, use_init)
         engine, *_ = zeroedu.initialize(model=model, config=cfg)
         losses = []
         for s in range(3):
@@ -365,14 +445,21 @@ def init_and_cap(rank: int, world: int, sizes: tuple[int, ...]) -> dict:
             engine.backward(loss)
             engine.step()
             losses.append(loss.detach())
-        out[use_init] = (tracker.peak_total, losses)
+        runs[use_init] = InitRun(peak, losses)
         try:
             with MemoryCap(cap), zero.Init(config=cfg, enabled=use_init):
                 MLP(sizes)
-            out[f"cap {use_init}"] = "built"
+            capped[use_init] = "built"
         except torch.OutOfMemoryError as e:
-            out[f"cap {use_init}"] = str(e).split(": ", 1)[1]
-    return out
+            capped[use_init] = str(e).split(": ", 1)[1]
+    return InitAndCap(runs[False], runs[True], cap, capped[False], capped[True])
+
+
+class Read(NamedTuple):
+    """What a rank read of the embedding inside GatheredParameters."""
+
+    shape: tuple[int, ...]
+    norm: float
 
 
 def gathered_and_saved(rank: int, world: int, save_dir: str) -> dict:
@@ -388,7 +475,7 @@ def gathered_and_saved(rank: int, world: int, save_dir: str) -> dict:
     wte = engine.module.wte.weight
     before = len(engine.ledger)
     with zero.GatheredParameters(wte):                       # read: every rank sees it whole
-        read = (tuple(wte.shape), float(wte.float().norm()))
+        read = Read(tuple(wte.shape), float(wte.float().norm()))
     with zero.GatheredParameters(engine.module.ln_f.weight, modifier_rank=1), torch.no_grad():
         if rank == 1:
             engine.module.ln_f.weight.fill_(0.5)             # changed on rank 1 only

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -105,7 +106,7 @@ def _step_seconds(rank: int, world: int) -> dict:
 
 def cases(rank: int, world: int, save_dir: str) -> dict:
     """Every case's numbers on this rank (see the notebook for what each shows)."""
-    from zeroedu.course_big import init_and_cap
+    from zeroedu.course_big import init_peaks
 
     r: dict = {}
     # 1: a higher stage holding more: stage 2's bucket at DeepSpeed's 5e8; stage 3 at DeepSpeed's prefetch sizes.
@@ -126,8 +127,8 @@ def cases(rank: int, world: int, save_dir: str) -> dict:
     r["5"] = _saved_model(rank, world, save_dir)
     # 7: every rank building the full model, with and without zero.Init (notebook 12's harness).
     sizes = (32,) + (64,) * 24 + (10,)   # many small layers, as in notebook 12
-    built = init_and_cap(rank, world, sizes)
-    r["7"] = {"peak without Init": built[False][0], "peak with Init": built[True][0],
+    built = init_peaks(rank, world, sizes)
+    r["7"] = {"peak without Init": built.whole, "peak with Init": built.inside,
               "fp32 model": 4 * sum(p.numel() for p in MLP(sizes).parameters())}
     # 8: accumulation: bytes per optimizer step at 1 and 4 micro-steps, stages 1, 2, 3.
     # (stages 2 and 3 at one micro-step are case 2's runs: the same configs)
@@ -141,6 +142,24 @@ def cases(rank: int, world: int, save_dir: str) -> dict:
                                          stage3_max_reuse_distance=0))
     r["timing"] = _step_seconds(rank, world)
     return r
+
+
+@dataclass
+class AccumBytes:
+    """Case 8 at one stage: the bytes a rank sends per optimizer step, without and with gradient accumulation."""
+
+    stage: int
+    accum: int      # A, the micro-steps per optimizer step of the second run
+    one: int        # bytes per step at 1 micro-step
+    many: int       # bytes per step at A micro-steps
+
+
+def accumulation_bytes(rank: int, world: int, stage: int, accum: int) -> AccumBytes:
+    """Case 8 for one stage and one A (notebook 17's try-it cell): the same global batch of 8 in 1 and in `accum`
+    micro-steps, every parameter partitioned at stage 3 (no persistence threshold), as case 8's runs."""
+    sent = [run_case(rank, world, config(stage, a, stage3_param_persistence_threshold=0), track=None)["bytes"]["total"]
+            for a in (1, accum)]
+    return AccumBytes(stage, accum, *sent)
 
 
 def masters_and_lr(steps: int = 6, lr: float = 1e-3) -> dict:

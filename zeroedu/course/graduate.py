@@ -1,7 +1,8 @@
 """Graduating to DeepSpeed: the same training script under `import zeroedu as ds` and `import deepspeed as ds`.
 
 Notebook 14 runs `train` below on CPU ranks twice, once per library, with the same model, data and config, and
-compares what each measured. DeepSpeed runs on CPU over gloo (deepspeed.init_distributed(dist_backend="gloo")).
+compares what each measured (a Trained per library, both in a Compared). DeepSpeed runs on CPU over gloo
+(deepspeed.init_distributed(dist_backend="gloo")).
 
 DeepSpeed's "Adam" on CPU is FusedAdam, a C++ extension that DeepSpeed compiles on its first use and caches under
 ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR). Measured on this course's 2-core machine with a fresh cache, the
@@ -13,6 +14,51 @@ update as Adam), a DeepSpeed key that zeroedu accepts with a note since it alway
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Batch(NamedTuple):
+    """The batch sizes an engine derived from the config."""
+
+    micro: int                 # samples per rank per micro-step (train_micro_batch_size_per_gpu)
+    accumulation: int          # micro-steps per optimizer step (gradient_accumulation_steps)
+    train_batch_size: int      # micro x accumulation x ranks
+
+
+@dataclass
+class Consolidated:
+    """Rank 0's checkpoint, merged into one fp32 state dict by the library's own tool."""
+
+    same_as_engine: bool                   # it equals the engine's fp32 master weights, bit for bit
+    tensors: dict[str, torch.Tensor]       # the state dict, in fp32
+
+
+@dataclass
+class Trained:
+    """What `train` measured on one rank under one library."""
+
+    losses: list[float]                    # the global-batch loss of each optimizer step
+    lrs: list[float]                       # the learning rate after each optimizer step
+    batch: Batch
+    model_states: dict[str, int]           # bytes resident after the last step, by category (zeroedu's meter)
+    peak: dict[str, int]                   # the last step's peak bytes, by category
+    peak_total: int
+    comm: dict[str, dict[int, int]]        # {collective: {message bytes: count}} over the whole run
+    files: list[str]                       # the checkpoint's files, relative to its folder
+    consolidated: Consolidated | None      # rank 0 only
+    optimizer: str                         # the class name of the optimizer that stepped
+
+
+@dataclass
+class Compared:
+    """`compare`'s result on one rank: the same script under each library."""
+
+    zeroedu: Trained
+    deepspeed: Trained
 
 
 def import_deepspeed():
@@ -71,7 +117,7 @@ def _comm_counts(name: str, engine) -> dict[str, dict[int, int]]:
     return out
 
 
-def train(rank: int, world: int, name: str, config: dict, steps: int, save_dir: str) -> dict:
+def train(rank: int, world: int, name: str, config: dict, steps: int, save_dir: str) -> Trained:
     """The course's script, under `import <name> as ds`: TinyGPT on the course's synthetic batches.
 
     Returns the global-batch loss per step, the lr per step, model-state bytes by category (zeroedu's meter,
@@ -115,13 +161,12 @@ def train(rank: int, world: int, name: str, config: dict, steps: int, save_dir: 
     engine.save_checkpoint(folder)
     dist.barrier()
     files, consolidated = _saved(name, engine, folder, rank, world)
-    return {"losses": losses, "lrs": lrs, "batch": [micro, accum, micro * accum * world],
-            "model_states": resident(owned()), "peak": dict(tracker.peak), "peak_total": tracker.peak_total,
-            "comm": _comm_counts(name, engine), "files": files, "consolidated": consolidated,
-            "optimizer": type(engine.optimizer.optimizer if name == "deepspeed" else engine.optimizer).__name__}
+    return Trained(losses, lrs, Batch(micro, accum, micro * accum * world), resident(owned()), dict(tracker.peak),
+                   tracker.peak_total, _comm_counts(name, engine), files, consolidated,
+                   type(engine.optimizer.optimizer if name == "deepspeed" else engine.optimizer).__name__)
 
 
-def _saved(name: str, engine, folder: str, rank: int, world: int) -> tuple[list[str], dict | None]:
+def _saved(name: str, engine, folder: str, rank: int, world: int) -> tuple[list[str], Consolidated | None]:
     """The checkpoint's files, and on rank 0 its consolidated fp32 weights and whether they equal the engine's
     own master weights (zeroedu's consolidate, or DeepSpeed's zero_to_fp32)."""
     import os
@@ -139,7 +184,6 @@ def _saved(name: str, engine, folder: str, rank: int, world: int) -> tuple[list[
         full = [torch.empty(0)] * world
         dist.all_gather_object(full, opt.single_partition_of_fp32_groups[0].detach().clone())
         master = None if rank else torch.cat(full)
-    consolidated = None
     if rank == 0:
         if name == "zeroedu":
             from zeroedu.checkpoint import consolidate
@@ -151,10 +195,10 @@ def _saved(name: str, engine, folder: str, rank: int, world: int) -> tuple[list[
             # DeepSpeed's flat partitions hold the parameters in model order, padding at the end.
             flat = torch.cat([consolidated[n].reshape(-1) for n, _ in engine.module.named_parameters()])
             same = torch.equal(flat, master[: flat.numel()])
-        consolidated = {"same_as_engine": same, "tensors": {k: v.detach().float() for k, v in consolidated.items()}}
-    return files, consolidated
+        return files, Consolidated(same, {k: v.detach().float() for k, v in consolidated.items()})
+    return files, None
 
 
-def compare(rank: int, world: int, config: dict, steps: int, save_dir: str) -> dict:
+def compare(rank: int, world: int, config: dict, steps: int, save_dir: str) -> Compared:
     """`train` under zeroedu, then under DeepSpeed, in the same ranks (starting ranks is the slow part)."""
-    return {name: train(rank, world, name, config, steps, save_dir) for name in ("zeroedu", "deepspeed")}
+    return Compared(*(train(rank, world, name, config, steps, save_dir) for name in ("zeroedu", "deepspeed")))

@@ -11,8 +11,9 @@ storage once, as zeroedu.memory.resident counts them):
     end of step              step() returned (the gradients zeroed, buffers of the step let go)
 
 A Holding says which piece of which buffer it is ("whole", "piece r of N", "bucket b, piece r of N",
-"unit k, whole"), its dtype and bytes, and whether it is temporary: gone by the end of the step (gathered units,
-bucket buffers, full gradients waiting for their bucket). With offload, `tiers` has the bytes by category on
+"unit k, whole"; with ZeRO++'s hpZ the second, node-local partition is a buffer of its own, "hpZ secondary copy",
+"piece l of M (node g)"), its dtype and bytes, and whether it is temporary: gone by the end of the step (gathered
+units, bucket buffers, full gradients waiting for their bucket). With offload, `tiers` has the bytes by category on
 the host and NVMe (engine.tier_bytes()). `figure(...)` draws stages side by side at one moment:
 a row per rank, a bar per category, bar length the bytes, temporary bytes hatched.
 """
@@ -40,6 +41,7 @@ ZH_PHRASES = {"Who holds what": "谁持有什么", "Who holds what, moment by mo
               "Who holds what during a stage-3 step": "stage 3 一步之中谁持有什么",
               "Who holds what, stages 0-3, after the optimizer step": "stage 0-3 优化器步之后谁持有什么",
               "Who holds what with the optimizer offloaded": "优化器卸载后谁持有什么",
+              "Who holds what with hpZ": "开启 hpZ 后谁持有什么",
               "temporary": "临时（本步结束前释放）", "after forward": "前向之后", AFTER_REDUCE: "归约之后",
               AFTER_STEP: "优化器步之后", AFTER_GATHER: "all-gather 之后", END: "本步结束"}
 ZH_PATTERNS = [(r"^after forward of unit (\d+)$", r"unit \1 前向之后"), (r"^backward: bucket (\d+)$", r"反向：桶 \1"),
@@ -109,6 +111,11 @@ def _describe(engine) -> dict[int, tuple[str, str]]:
         for k, v in engine.optimizer.state.get(m, {}).items():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
                 out.setdefault(v.untyped_storage()._cdata, (k, piece))
+    secondary = getattr(engine, "secondary", None)     # ZeRO++'s hpZ: a second, node-local partition
+    if isinstance(secondary, torch.Tensor) and secondary.numel():
+        m = engine.node_size                              # node g is ranks g*m .. g*m+m-1
+        out.setdefault(secondary.untyped_storage()._cdata,
+                       ("hpZ secondary copy", f"piece {r % m} of {m} (node {r // m})"))
     for u, buf in getattr(engine, "unit_buffers", {}).items():
         out.setdefault(buf.untyped_storage()._cdata, (f"unit {u} buffer", f"unit {u}, whole"))
     for u, buf in getattr(engine, "gathered", {}).items():
@@ -223,18 +230,20 @@ def holdings_rank(rank: int, world_size: int, configs: Mapping[str, Mapping], st
             w.active = step == watch_step
             one_step(engine, step, global_batch, model_cfg, rank, world_size)
         out[name] = {"frames": w.finish(), "layout": [b.numel for b in engine.layout.buckets],
-                     "units": stage3_units(engine)}
+                     "units": stage3_units(engine), "ledger": engine.ledger.select(step=watch_step)}
     return out
 
 
 @dataclass
 class Holdings:
     """holdings_run's result: frames[name][rank] is that rank's list of Frames; layouts[name] the bucket sizes
-    (elements, before padding); units[name] course.stage3_units of the engine (None below stage 3)."""
+    (elements, before padding); units[name] course.stage3_units of the engine (None below stage 3);
+    ledgers[name][rank] that rank's ledger of the watched step (zeropp.where_bytes_go takes the list)."""
 
     frames: dict[str, list[list[Frame]]]
     layouts: dict[str, list[int]]
     units: dict[str, dict | None]
+    ledgers: dict[str, list] = field(default_factory=dict)
 
     def at(self, name: str, moment: str) -> list[Frame]:
         """Each rank's first frame at `moment` (e.g. AFTER_STEP) in run `name`."""
@@ -260,7 +269,8 @@ def holdings_run(configs: Mapping[str, Mapping], world_size: int = 2, steps: int
                              args=(dict(configs), steps, watch_step, global_batch, model_cfg), **launch_kw)
     return Holdings({name: [r[name]["frames"] for r in results] for name in configs},
                     {name: results[0][name]["layout"] for name in configs},
-                    {name: results[0][name]["units"] for name in configs})
+                    {name: results[0][name]["units"] for name in configs},
+                    {name: [r[name]["ledger"] for r in results] for name in configs})
 
 
 def figure(runs: Mapping[str, Sequence[Frame]], title: str = "Who holds what", unit: float = 1e6):
