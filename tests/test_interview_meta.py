@@ -106,3 +106,29 @@ def test_ex10_hidden_rubric_is_in_no_module_the_exercise_can_import():
         for _, words in r.mistakes:
             assert not [str(p) for p, t in texts.items() if words in t], f"{r.id} is readable in zeroedu/"
             assert words not in exercise and json.dumps(words)[1:-1] not in exercise, f"{r.id} in the exercise"
+
+
+def _shown(nb) -> str:
+    """Markdown cells, and what code cells printed or rendered."""
+    out = []
+    for c in nb.cells:
+        if c.cell_type == "markdown":
+            out.append(c.source)
+        for o in c.get("outputs", []):
+            out.append("".join(o.get("text", "")) + o.get("data", {}).get("text/markdown", ""))
+    return "\n".join(out)
+
+
+@pytest.mark.parametrize("path", [NB15, NB15.parent / "zh" / NB15.name], ids=["en", "zh"])
+def test_what_15_says_of_deepspeed_is_0_19_8s(path):
+    """Issue 29 (tests/test_deepspeed_facts.py reads each fact from DeepSpeed): the 1-bit optimizers are gone, not
+    asserted off; DeepSpeed's 5e8 bucket is not "the whole model" (that is zeroedu's cap); every ZeRO-Offload PCIe
+    figure that is the paper's 4Ψ/N comes with DeepSpeed's 6Ψ/N; the default clipping and the hysteresis are said."""
+    shown = _shown(nbformat.read(path, as_version=4))
+    assert "asserts ZeRO is off for 1-bit" not in shown and "断言 1-bit Adam 不能" not in shown
+    assert "0.19.8 has removed it" in shown or "0.19.8 已删除 1-bit Adam" in shown
+    assert "At DeepSpeed's 5e8 a bucket is the whole model" not in shown
+    offload = re.compile(r"PCIe.{0,40}GB per GPU per step|每卡每步.{0,20}PCIe")
+    pcie = [line for line in shown.splitlines() if offload.search(line)]
+    assert pcie and all("6Ψ/N" in line for line in pcie), [line for line in pcie if "6Ψ/N" not in line]
+    assert "`gradient_clipping`" in shown and "hysteresis" in shown

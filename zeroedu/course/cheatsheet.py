@@ -41,9 +41,14 @@ T = {
     "comm_h": ("## 2. Communication per step per rank", "## 2. 每卡每步通信量"),
     "comm_note": (
         "The paper counts 16-bit **elements**: multiply by 2 for bytes in bf16/fp16. A ring sends (N-1)/N of "
-        "each pass, so the exact bytes a rank sends are the paper's figure times (N-1)/N.",
+        "each pass, so the exact bytes a rank sends are the paper's figure times (N-1)/N. DeepSpeed 0.19.8's "
+        "defaults differ: stages 1-2 all-reduce the gradient buckets (`use_multi_rank_bucket_allreduce: true`), "
+        "3Ψ elements, 1.5×; stage 3 keeps a small model gathered from forward to backward "
+        "(`stage3_max_reuse_distance: 1e9`), about 2Ψ.",
         "论文以 16 位**元素**为单位：bf16/fp16 下乘以 2 才是字节。环形算法每一遍只发送 (N-1)/N，所以每个 rank "
-        "实际发送的字节数是论文数字乘以 (N-1)/N。"),
+        "实际发送的字节数是论文数字乘以 (N-1)/N。DeepSpeed 0.19.8 的默认值不同：Stage 1-2 对梯度桶做 all-reduce"
+        "（`use_multi_rank_bucket_allreduce: true`），3Ψ 个元素，1.5×；Stage 3 把小模型从前向一直留到反向"
+        "（`stage3_max_reuse_distance: 1e9`），约 2Ψ。"),
     "comm_cols": (("stage", "collectives in one step", "elements", "bytes (bf16)", "vs DDP"),
                   ("stage", "每步的集合通信", "元素", "字节（bf16）", "相对 DDP")),
     "collectives": (("all-reduce of gradients",
@@ -65,9 +70,10 @@ T = {
     "formula": ("formula", "公式"),
     "off_note": (
         "The device keeps the 16-bit parameters; the host keeps the gradient shard in fp32 (4/N) and the optimizer "
-        "states (K/N). The transfer row is the paper's: 16-bit gradient shard down, 16-bit parameter shard up.",
+        "states (K/N). The transfer row is the paper's: 16-bit gradient shard down, 16-bit parameter shard up. "
+        "DeepSpeed 0.19.8 casts the gradient shard to fp32 on the device before the copy: (4 + 2)/N.",
         "设备上只留 16 位参数；主机上是 fp32 梯度分片（4/N）和优化器状态（K/N）。传输一行按论文计算："
-        "16 位梯度分片下行，16 位参数分片上行。"),
+        "16 位梯度分片下行，16 位参数分片上行。DeepSpeed 0.19.8 先在设备上把梯度分片转成 fp32 再拷贝：(4 + 2)/N。"),
     "zpp_h": ("## 5. ZeRO++: cross-node volume per step (paper units of Ψ elements)",
               "## 5. ZeRO++：每步跨节点通信量（论文单位：Ψ 个元素）"),
     "zpp_cols": (("ZeRO++ features", "volume", "vs ZeRO-3"), ("ZeRO++ 组件", "通信量", "相对 ZeRO-3")),

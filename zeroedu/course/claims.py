@@ -22,7 +22,8 @@ what the sheet itself rejects.
 
 Communication is in the ZeRO paper's units (Rajbhandari et al. 2020, Sec. 7): Ψ 16-bit elements, i.e. 2Ψ bytes;
 DDP's all-reduce is 2Ψ. DeepSpeed 0.19.8 all-reduces stages 1-2's buckets by default
-(`use_multi_rank_bucket_allreduce`, 3Ψ), which the evidence mentions where it changes the answer.
+(`use_multi_rank_bucket_allreduce`, 3Ψ; (2A+1)Ψ at stage 2 with A micro-steps), which the correct statement or the
+evidence mentions where it changes the answer.
 
 No torch here (theory only): it runs where torch is not installed.
 """
@@ -223,8 +224,11 @@ def _comm_evidence(stage: int, accum: int = 1) -> tuple[str, str]:
           f"the forward and again in the backward, then reduce-scatters: {vol[3]}Ψ. theory.comm_bytes_per_step (N = {n}, "
           f"accumulation {accum}): stage {stage} / DDP = {_f(measured)}.")
     if stage in (1, 2) and accum == 1:
-        zh += "（DeepSpeed 0.19.8 默认 use_multi_rank_bucket_allreduce=true，对梯度桶做 all-reduce，实际是 3Ψ。）"
-        en += " (DeepSpeed 0.19.8's default use_multi_rank_bucket_allreduce=true all-reduces the buckets: 3Ψ.)"
+        zh += "（DeepSpeed 0.19.8 默认 use_multi_rank_bucket_allreduce=true，对梯度桶做 all-reduce，实际是 3Ψ 个元素。）"
+        en += " (DeepSpeed 0.19.8's default use_multi_rank_bucket_allreduce=true all-reduces the buckets: 3Ψ elements.)"
+    elif stage == 2:
+        zh += "（DeepSpeed 0.19.8 默认每个 micro-step 对梯度做 all-reduce：每个优化器步 (2A+1)Ψ。）"
+        en += " (DeepSpeed 0.19.8's default all-reduces the gradients at every micro-step: (2A+1)Ψ per optimizer step.)"
     return zh, en
 
 
@@ -233,10 +237,10 @@ def _ratio_words(stage: int, accum: int) -> tuple[str, str]:
     acc_zh = f"（梯度累积 {accum} 步，每个优化器步）" if accum > 1 else ""
     acc_en = f" (accumulation {accum}, per optimizer step)" if accum > 1 else ""
     if r == 1:
-        return (f"Stage {stage} 每步通信量与 DDP 相同{acc_zh}：2Ψ，是 DDP 的 1 倍",
-                f"stage {stage} sends what DDP sends{acc_en}: 2Ψ, 1x DDP")
-    return (f"Stage {stage} 每步通信量是 DDP 的 {_f(r)} 倍{acc_zh}（{_f(2 * r)}Ψ 对 2Ψ）",
-            f"stage {stage} sends {_f(r)}x DDP's bytes{acc_en} ({_f(2 * r)}Ψ against 2Ψ)")
+        return (f"Stage {stage} 每步通信量与 DDP 相同{acc_zh}：2Ψ 个元素（论文的做法），是 DDP 的 1 倍",
+                f"stage {stage} sends what DDP sends{acc_en}: 2Ψ elements (the paper's schedule), 1x DDP")
+    return (f"Stage {stage} 每步通信量是 DDP 的 {_f(r)} 倍{acc_zh}（{_f(2 * r)}Ψ 对 2Ψ 个元素，论文的做法）",
+            f"stage {stage} sends {_f(r)}x DDP's bytes{acc_en} ({_f(2 * r)}Ψ against 2Ψ elements, the paper's schedule)")
 
 
 def _accum(s: Sentence) -> int:
@@ -330,8 +334,10 @@ def zero_communicates_more(sheet: Sheet, s: Sentence) -> list[Hit]:
             hits.append((m.start(), m.end(), "right", _ratio_words(3, 1), _comm_evidence(3)))
         else:
             hits.append((m.start(), m.end(), "partly",
-                         ("只有 Stage 3 通信更多：3Ψ，是 DDP 的 1.5 倍；Stage 1、2 与 DDP 相同（2Ψ，论文），省显存不加通信",
-                          "only stage 3 sends more: 3Ψ, 1.5x DDP; stages 1 and 2 send DDP's 2Ψ (paper): memory for free"),
+                         ("按论文只有 Stage 3 通信更多：3Ψ 个元素，是 DDP 的 1.5 倍；Stage 1、2 与 DDP 相同（2Ψ），省显存不加通信"
+                          "（DeepSpeed 0.19.8 默认对梯度 all-reduce，Stage 1、2 反而是 3Ψ）",
+                          "in the paper only stage 3 sends more: 3Ψ elements, 1.5x DDP; stages 1 and 2 send DDP's 2Ψ: memory "
+                          "for free (DeepSpeed 0.19.8's default all-reduce of the gradients makes stages 1-2 3Ψ)"),
                          _comm_evidence(3)))
     return hits
 
@@ -370,9 +376,9 @@ def _stage_pair(a0: int, a1: int, hi: int, lo: int, said: Fraction | str | None)
     sent = {st: theory.comm_bytes_per_step(n * 10**6, n, st)["total"] for st in (hi, lo)}
     return (a0, a1, "right" if ok else "wrong",
             (f"Stage {hi} 的通信量是 Stage {lo} 的 {_f(truth)} 倍，任何 N 都一样（{theory.comm_volume_paper(hi)}(N-1)/N·Ψ 对 "
-             f"{theory.comm_volume_paper(lo)}(N-1)/N·Ψ）",
+             f"{theory.comm_volume_paper(lo)}(N-1)/N·Ψ 个元素，论文的做法）",
              f"stage {hi} sends {_f(truth)}x stage {lo}'s bytes at every N ({theory.comm_volume_paper(hi)}(N-1)/N·Ψ against "
-             f"{theory.comm_volume_paper(lo)}(N-1)/N·Ψ)"),
+             f"{theory.comm_volume_paper(lo)}(N-1)/N·Ψ elements, the paper's schedule)"),
             (f"ring 算法每卡发送 (N-1)/N 的张量，两边同乘 (N-1)/N，N 消掉了；theory.comm_bytes_per_step 在 N = {n}："
              f"{_f(sent[hi] / sent[lo])} 倍",
              f"a ring sends (N-1)/N of the tensor per GPU on both sides, so N cancels; theory.comm_bytes_per_step at "
@@ -463,8 +469,8 @@ def no_parameter_communication(sheet: Sheet, s: Sentence) -> list[Hit]:
                                                       "stage 3 all-gathers the parameters in the forward and again in "
                                                       "the backward (about Ψ each)"), _comm_evidence(3)))
         else:
-            step = "；但优化器步之后要 all-gather 更新后的参数（约 Ψ），所以总量仍是 2Ψ" if stage else ""
-            step_en = "; but after the optimizer step it all-gathers the updated parameters (about Ψ): 2Ψ in all" \
+            step = "；但优化器步之后要 all-gather 更新后的参数（约 Ψ 个元素），所以总量仍是 2Ψ" if stage else ""
+            step_en = "; but after the optimizer step it all-gathers the updated parameters (about Ψ elements): 2Ψ in all" \
                 if stage else ""
             hits.append((m.start(), m.end(), "right", (f"Stage {stage} 的前向、反向确实不通信参数{step}",
                                                       f"stage {stage} indeed moves no parameters in forward or "
@@ -489,9 +495,10 @@ def accumulation(sheet: Sheet, s: Sentence) -> list[Hit]:
             continue
         ok = stage >= 2
         hits.append((m.start(), m.end(), "right" if ok else "wrong",
-                     ("Stage 2、3 每个 micro-step 都 reduce-scatter（1/N 的梯度分片存不下完整梯度的累加）；Stage 0、1 每个优化器步"
-                      "只通信一次", "stages 2 and 3 reduce-scatter at every micro-step (a 1/N gradient shard cannot hold "
-                      "the full sum); stages 0 and 1 communicate once per optimizer step"),
+                     ("Stage 2、3 每个 micro-step 都 reduce-scatter（1/N 的梯度分片存不下完整梯度的累加；DeepSpeed 0.19.8 的 Stage 2 "
+                      "默认做的是 all-reduce）；Stage 0、1 每个优化器步只通信一次", "stages 2 and 3 reduce-scatter at every "
+                      "micro-step (a 1/N gradient shard cannot hold the full sum; DeepSpeed 0.19.8's stage 2 all-reduces "
+                      "by default); stages 0 and 1 communicate once per optimizer step"),
                      _comm_evidence(stage, 4)))
     for m in ACCUM_SAVES.finditer(sheet.text, s.start, s.end):
         stage = sheet.stage_at(s, m.start())
@@ -505,10 +512,10 @@ def accumulation(sheet: Sheet, s: Sentence) -> list[Hit]:
         elif stage == 2:
             verdict = "partly"
             per_micro = Fraction(a + 1, 2 * a)
-            zh = (f"Stage 2 每个 micro-step 都 reduce-scatter，通信频率不降：每个优化器步 (A+1)Ψ，是 DDP 的 (A+1)/2 倍"
+            zh = (f"Stage 2 每个 micro-step 都 reduce-scatter，通信频率不降：每个优化器步 (A+1)Ψ 个元素，是 DDP 的 (A+1)/2 倍"
                   f"（A = {a}：{_f(_ratio_truth(2, a))} 倍）；按 micro-batch 平均是 DDP 单步的 (A+1)/2A = {_f(per_micro)}，"
                   f"确实降了，但最多降一半")
-            en = (f"stage 2 reduce-scatters at every micro-step, so the frequency stays: per optimizer step (A+1)Ψ, "
+            en = (f"stage 2 reduce-scatters at every micro-step, so the frequency stays: per optimizer step (A+1)Ψ elements, "
                   f"(A+1)/2 x DDP ({_f(_ratio_truth(2, a))}x at A = {a}); per micro-batch (A+1)/2A = {_f(per_micro)} of "
                   f"one DDP step: fewer bytes per sample, at most half")
         else:
@@ -629,8 +636,9 @@ def zeropp(sheet: Sheet, s: Sentence) -> list[Hit]:
         psi = 70 * 10**9
         extra = theory.zeropp_comm_bytes(psi, 64, 8, hpz=True, precision="bf16")["hpz_secondary_bytes"] / GB
         hits.append((a, s.start + no_mem.end(), "wrong",
-                     ("hpZ 在节点内多存一份二级参数分片：每卡多 2Ψ/g 字节（g = 每节点卡数）",
-                      "hpZ keeps a secondary parameter shard inside the node: 2Ψ/g more bytes per GPU (g GPUs a node)"),
+                     ("hpZ 在节点内多存一份二级参数分片：每卡多 2Ψ/g 字节（g = zero_hpz_partition_size，通常是每节点卡数）",
+                      "hpZ keeps a secondary parameter shard inside the node: 2Ψ/g more bytes per GPU (g = "
+                      "zero_hpz_partition_size, usually a node's GPUs)"),
                      (f"theory.zeropp_comm_bytes(hpz=True)['hpz_secondary_bytes']：70B、每节点 8 卡，每卡 {_f(extra)} GB",
                       f"theory.zeropp_comm_bytes(hpz=True)['hpz_secondary_bytes']: 70B in nodes of 8, {_f(extra)} GB "
                       "per GPU")))
@@ -681,8 +689,9 @@ def one_bit_adam(sheet: Sheet, s: Sentence) -> list[Hit]:
               "1-bit Adam compresses an all-reduce of the full momentum, which every rank must hold: it conflicts with "
               "ZeRO's sharding (older DeepSpeed asserted ZeRO off), and DeepSpeed 0.19.8 no longer ships it. ZeRO's "
               "gradient compression is ZeRO++'s qgZ (int4 gradients)"),
-             ("deepspeed 0.19.8 runtime/config.py DEEPSPEED_OPTIMIZERS（没有 OneBitAdam）；Wang et al. 2023",
-              "deepspeed 0.19.8 runtime/config.py DEEPSPEED_OPTIMIZERS (no OneBitAdam); Wang et al. 2023"))
+             ("deepspeed 0.19.8 runtime/config.py DEEPSPEED_OPTIMIZERS（没有 OneBitAdam，DeepSpeed PR #8490 删除了 1-bit 和 0/1 "
+              "优化器）；Wang et al. 2023", "deepspeed 0.19.8 runtime/config.py DEEPSPEED_OPTIMIZERS (no OneBitAdam: DeepSpeed "
+              "PR #8490 removed the 1-bit and 0/1 optimizers); Wang et al. 2023"))
             for m in ONEBIT.finditer(sheet.text, s.start, s.end)]
 
 
