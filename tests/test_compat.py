@@ -103,3 +103,25 @@ def test_collectives_module_uses_compat():
     assert collectives.REDUCE_SCATTER_SINGLE is compat.reduce_scatter_single()
     src = (ROOT / "zeroedu" / "compat.py").read_text()
     assert re.search(r"fully_shard", src)  # the floor's reason is written down where the range is
+
+
+def test_finalizers_run_at_exit_after_the_forkserver_cleared_atexit():
+    """Python 3.13's forkserver calls atexit._clear() in each rank it forks, after torch (imported there) made a
+    weakref.finalize, so finalizers no longer ran at exit in a rank (an NVMe swap folder stayed behind). The same
+    steps in a fresh Python that exits as a rank does (exit handlers, then os._exit), on any version: without
+    compat.finalizers_run_at_exit() nothing is finalized at exit, with it both finalizers run."""
+    import subprocess
+    import sys
+
+    code = ("import atexit, os, sys, weakref\n"
+            "class A: pass\n"
+            "a = A(); weakref.finalize(a, print, 'first')\n"
+            "atexit._clear()   # what multiprocessing/forkserver.py does in 3.13\n"
+            "from zeroedu.compat import finalizers_run_at_exit\n"
+            "if sys.argv[1] == 'fix': finalizers_run_at_exit(); finalizers_run_at_exit()   # twice: still once\n"
+            "b = A(); weakref.finalize(b, print, 'second')\n"
+            "atexit._run_exitfuncs(); sys.stdout.flush(); os._exit(0)   # how a rank exits (launch/rank.py)\n")
+    out = {how: subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, timeout=60)
+           for how in ("as-is", "fix")}
+    assert out["as-is"].returncode == 0 and out["as-is"].stdout == "", out["as-is"]
+    assert out["fix"].stdout.splitlines() == ["second", "first"], out["fix"]

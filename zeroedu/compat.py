@@ -105,3 +105,23 @@ def reduce_scatter_single() -> Callable:
     import torch.distributed as dist
 
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def finalizers_run_at_exit() -> None:
+    """Make weakref.finalize's exit hook run in this freshly forked rank, on every Python in the range.
+
+    Python 3.13's forkserver clears the atexit handlers of each child it forks (`atexit._clear()` in
+    multiprocessing/forkserver.py, new in 3.13). weakref.finalize registers its one exit hook the first time any
+    finalizer is made and remembers that in a class flag; torch makes one while the forkserver imports it, so in a
+    3.13 rank the flag says "registered" while atexit holds nothing, and no finalizer with atexit=True runs at exit:
+    an engine's NVMe swap folder (engine/extras/offload/swap.py) was left behind when a rank was stopped. Registering
+    the hook again (once: unregister first) restores what 3.10-3.12 do. Private names of the standard library, read
+    defensively: where they are missing, nothing changes."""
+    import atexit
+    import weakref
+
+    hook = getattr(weakref.finalize, "_exitfunc", None)
+    if hook is None or not getattr(weakref.finalize, "_registered_with_atexit", False):
+        return   # no finalizer yet: the first one registers the hook itself
+    atexit.unregister(hook)
+    atexit.register(hook)

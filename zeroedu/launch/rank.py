@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from zeroedu.comm.agreement import finish_all
+from zeroedu.compat import finalizers_run_at_exit
 from zeroedu.launch.status import RankContext, Slots, start_reporting, watch_torch_distributed
 
 KILL_GRACE = 3.0            # seconds between SIGTERM and SIGKILL when stopping ranks (their exit handlers run)
@@ -196,6 +197,7 @@ def _become_rank(rank: int, world_size: int, port: int, conn: Connection, run_di
     """Make this freshly forked process rank `rank`: its status says "starting". Returns its status context and
     the event that the parent's "release" sets (every rank returned)."""
     _die_with_parent()
+    finalizers_run_at_exit()   # Python 3.13's forkserver cleared them (zeroedu.compat says why)
     _exit_cleanly_on_stop_signals()
     _capture_output(run_dir, rank)
     _adopt_parent_environment(rank, world_size, port, env, sys_path, cwd)
