@@ -935,8 +935,9 @@ def test_remove_tree_removes_1100_nested_folders_a_closed_one_and_never_follows_
     os.open("closed/f", os.O_WRONLY | os.O_CREAT, dir_fd=fd)
     os.chmod("closed", 0, dir_fd=fd)
     os.close(fd)
-    with pytest.raises(RecursionError):   # why the grader has its own: CPython 3.11's rmtree recurses
-        shutil.rmtree(top)
+    if sys.version_info < (3, 13):   # why the grader has its own: CPython's rmtree recursed up to 3.12
+        with pytest.raises(RecursionError):
+            shutil.rmtree(top)
     assert remove_tree(top) == ""
     assert not top.exists() and (outside / "keep.txt").read_text() == "keep me"
     assert remove_tree(top) == ""           # already gone: nothing to say

@@ -227,6 +227,21 @@ def _track_threads() -> None:
     start_new_thread._zeroedu_blocked = True   # type: ignore[attr-defined]
     _thread.start_new_thread = start_new_thread
     threading._start_new_thread = start_new_thread   # type: ignore[attr-defined]  -- what Thread.start calls
+    joinable = getattr(_thread, "start_joinable_thread", None)
+    if joinable is not None:   # Python 3.13: Thread.start calls this one instead
+
+        def start_joinable_thread(function: Any, *args: Any, **kwargs: Any) -> Any:
+            where = learner_on_stack() or thread_origin()
+
+            def run() -> Any:
+                _ORIGIN.where = where
+                return function()
+
+            return joinable(run, *args, **kwargs)
+
+        start_joinable_thread._zeroedu_blocked = True   # type: ignore[attr-defined]
+        _thread.start_joinable_thread = start_joinable_thread
+        threading._start_joinable_thread = start_joinable_thread   # type: ignore[attr-defined]
 
 
 def _track_construction(cls: type) -> None:
