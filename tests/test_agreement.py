@@ -134,6 +134,9 @@ def _drift_at_the_end(rank: int, world_size: int, how: str, save_dir: str | None
     so every collective completes and the run used to end without a word."""
     torch.manual_seed(0)
     engine, *_ = zeroedu.initialize(model=MLP(), config=_config(stage, 10**8))
+    # Both misuses call step() with no backward() since the step before, which the engine refuses at once (with
+    # its own message, tests/test_bad_inputs.py); off here, to show the agreement check catches the drift behind it.
+    engine.requires_backward_before_step = False
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step)
         x = torch.randn(2 * world_size, 32, generator=g)[rank * 2:(rank + 1) * 2]

@@ -90,6 +90,9 @@ class Engine(DeepSpeedFacade):
     # An extra that keeps the parameters in more places than the shard and the master pieces (offload's host and
     # NVMe tiers, ZeRO++'s secondary partition) sets this; zero.GatheredParameters(modifier_rank=...) refuses it.
     keeps_parameter_copies = False
+    # step() with no backward() since the last step raises at once. tests/test_agreement.py turns it off on an
+    # engine to reach the collective agreement check behind it with a rank that misuses the engine that way.
+    requires_backward_before_step = True
     _decay_runs: list[list[tuple[int, int, float]]] | None = None   # group_decay's layout, made at the first step
 
     def __init__(self, model: torch.nn.Module, config: Config, comm: Comm | None = None) -> None:
@@ -309,7 +312,7 @@ class Engine(DeepSpeedFacade):
             raise RuntimeError("engine.step() inside no_sync(): leave the no_sync() block first (its gradients are "
                                "not reduced yet; the next backward outside reduces them), as DeepSpeed requires.")
         boundary = self.is_gradient_accumulation_boundary()
-        if boundary and self._loss_sum is None:
+        if boundary and self._loss_sum is None and self.requires_backward_before_step:
             # Stepping on gradients that were never computed would update Adam's step count (and so its bias
             # correction) with no gradient behind it, or fail deep inside a stage; say what is missing instead.
             raise RuntimeError(f"engine.step() at optimizer step {self.global_step + 1} with no engine.backward(loss) "
