@@ -31,8 +31,8 @@ $(STAMP): pyproject.toml scripts/install_torch.py
 help:
 	@echo "make tour        the course's tour: every stage's bytes against theory (builds .venv first)"
 	@echo "make test-fast   the edit loop: ruff + pytest without nbval and the slow tests (its goal: under 5 min on 2 cores)"
-	@echo "make test        what CI runs: ruff + every test + nbval over every notebook, beside pytest"
-	@echo "                 (NBVAL_BESIDE=0: one after the other; NBVAL_ISAS='native default': both kernel sets)"
+	@echo "make test        what CI runs: ruff + every test + nbval over every notebook, in two streams"
+	@echo "                 (pytest | nbval, then PYTEST_BESIDE; NBVAL_BESIDE=0: one after the other)"
 	@echo "make ci          make test with nbval under each kernel set of NBVAL_MATRIX ($(NBVAL_MATRIX)), as .ci/run"
 	@echo "make nbval       the notebooks alone; make nbval-matrix: under each kernel set"
 	@echo "make lint | exercises | book | slides | zh-status | test-matrix | clean"
@@ -58,19 +58,26 @@ NBVAL_MATRIX := native default
 # computes with torch and runs under each set.
 NBVAL_KERNEL_FREE := solutions/ex09_choose_strategy.ipynb solutions/ex10_spot_the_errors.ipynb
 
-# `make test` runs nbval beside pytest, not after it: pytest spends much of its time on one core (a fresh
-# interpreter importing torch, a kernel starting, ranks waiting on gloo sockets), so on a 2-core machine the
-# other core runs the notebooks meanwhile (.ci/beside: nbval's output goes to build/nbval.log and is printed
-# when both are done; the exit status fails if either failed; Ctrl-C stops both). NBVAL_BESIDE=0 runs them one
-# after the other, as before (on a machine that other jobs keep busy, where the tests' time limits have less room).
+# `make test` runs in two streams, one per core (.ci/beside): pytest in this terminal, and beside it nbval, then
+# the grader's end-to-end tests (PYTEST_BESIDE). Measured in a fresh-clone `.ci/run` on 6 December 2026 (idle
+# 2-core machine, /proc/stat sampled every 10 s): with nbval beside pytest the machine was 95-100 % busy for the
+# 13 minutes nbval ran, then 35-65 % (about one core) for the 20 minutes pytest ran alone: a pytest run is mostly
+# one process at a time (a fresh interpreter importing torch, a kernel starting, ranks waiting on gloo sockets).
+# So the second stream takes the grader's tests, a third of pytest's time, once nbval is done. The run beside
+# writes to build/beside.log, printed when both are done; the exit status fails if either failed; Ctrl-C stops
+# both. NBVAL_BESIDE=0 runs everything one after the other (on a machine that other jobs keep busy, where the
+# tests' time limits have less room).
 NBVAL_BESIDE ?= 1
-NBVAL_LOG := build/nbval.log
+BESIDE_LOG := build/beside.log
+PYTEST_BESIDE := tests/test_grading.py
 
 test: $(STAMP)
 	$(BIN)/ruff check zeroedu tests examples scripts
 ifeq ($(NBVAL_BESIDE),1)
-	bash .ci/beside $(NBVAL_LOG) '$(MAKE) --no-print-directory nbval NBVAL_ISAS="$(NBVAL_ISAS)"' \
-	  '$(BIN)/python -m pytest -q tests'
+	bash .ci/beside $(BESIDE_LOG) \
+	  'rc=0; $(MAKE) --no-print-directory nbval NBVAL_ISAS="$(NBVAL_ISAS)" || rc=1; \
+	   $(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_BESIDE) || rc=1; exit $$rc' \
+	  '$(BIN)/python -m pytest -q $(addprefix --ignore=,$(PYTEST_BESIDE)) tests'
 else
 	$(BIN)/python -m pytest -q tests
 	$(MAKE) --no-print-directory nbval NBVAL_ISAS="$(NBVAL_ISAS)"

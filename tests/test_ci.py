@@ -128,4 +128,17 @@ def test_make_test_runs_nbval_beside_pytest_and_fails_if_either_fails(tmp_path, 
     lines = done.stdout.splitlines()   # whole lines: the header lines quote both commands
     assert log.read_text().strip() == background.split(";")[0].removeprefix("echo ")
     assert lines.index(foreground.split(";")[0].removeprefix("echo ")) < lines.index(log.read_text().strip()), lines
-    assert "beside pytest" in (ROOT / "Makefile").read_text() and "bash .ci/beside" in (ROOT / "Makefile").read_text()
+    assert "bash .ci/beside" in (ROOT / "Makefile").read_text()
+
+
+def test_make_test_runs_every_test_file_in_one_of_its_two_streams():
+    """`make test`'s two streams: the foreground pytest leaves out exactly the files that the stream beside runs
+    after nbval (PYTEST_BESIDE), so every test file runs once. Read from the Makefile's text (`make -n` would run
+    the recipe: a line with $(MAKE) in it runs even then)."""
+    text = (ROOT / "Makefile").read_text()
+    beside = re.search(r"^PYTEST_BESIDE := (.+)$", text, re.M).group(1).split()
+    assert beside and all((ROOT / f).is_file() and f.startswith("tests/test_") for f in beside), beside
+    recipe = text[text.index("\ntest: "):text.index("\nendif", text.index("\ntest: "))]
+    assert "pytest -q -p no:cacheprovider $(PYTEST_BESIDE)" in recipe, recipe      # beside, after nbval
+    assert "pytest -q $(addprefix --ignore=,$(PYTEST_BESIDE)) tests" in recipe, recipe   # the rest, here
+    assert recipe.index("nbval NBVAL_ISAS") < recipe.index("$(PYTEST_BESIDE) ||"), recipe
