@@ -24,12 +24,16 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
 from zeroedu.fmt import approx, byte_unit, fmt_bytes
-from zeroedu.i18n.figures import localize
+from zeroedu.i18n import current
+from zeroedu.i18n.figures import localize, use_cjk_font
 from zeroedu.memory import CATEGORIES
 
 __all__ = ["CATEGORY_COLORS", "OP_COLORS", "PHASE_COLORS", "alpha_beta_plot", "approx", "backward_segments",
            "block_errors", "fmt_bytes", "grouped_bars", "ledger_bars", "loss_curves", "memory_bars",
            "offload_timelines", "ring_grid", "scaling_plot", "table", "timeline", "timeline_data"]
+
+if current() == "zh":   # titles a cell passes through tr() are drawn before localize(): the font comes first
+    use_cjk_font()
 
 # One colour per memory category, in stacking order: model states first (the paper's three, plus fp32 master
 # weights, which the paper counts inside K), then the "residual" memory that no model-state formula shows.

@@ -150,7 +150,8 @@ def _texts(fig):
     return [t for t in fig.findobj(Text) if t.get_text()]
 
 
-def _use_cjk_font() -> None:
+def use_cjk_font() -> None:
+    """Put the installed fonts with Chinese glyphs first in matplotlib's sans-serif list (once a process)."""
     global _warned
     import matplotlib
     from matplotlib import font_manager
@@ -177,7 +178,7 @@ def localize(fig):
     """Translate the words of a finished figure into the current language (Chinese, or nothing to do)."""
     if current() != "zh":
         return fig
-    _use_cjk_font()
+    use_cjk_font()
     for text in _texts(fig):
         new = translate(text.get_text())
         if new != text.get_text():
