@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_kit_messages import _is_prose, _literal_text  # what counts as an English sentence, defined once
 
 import zeroedu
 from zeroedu.grading import grader, wire
@@ -48,20 +49,6 @@ ALLOWED_LITERALS = {
     "out of bounds": "matched in torch's error to add exercise 6's hint",
     "Stage0WithYourHooks": "a class name",
 }
-
-
-def _literal_text(node: ast.AST) -> str:
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
-    if isinstance(node, ast.JoinedStr):
-        return " ".join(v.value for v in node.values if isinstance(v, ast.Constant))
-    return ""
-
-
-def _is_prose(text: str) -> bool:
-    """Two English words or more, once code (name=value, dotted and snake_case names) is taken out."""
-    text = re.sub(r"\w+=\w+|\w+(\.\w+)+|\w*_\w*", " ", text)
-    return len(re.findall(r"[A-Za-z]{3,}", text)) >= 2
 
 
 def _english_left(path: Path) -> list[str]:
