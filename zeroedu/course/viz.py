@@ -32,7 +32,9 @@ __all__ = ["CATEGORY_COLORS", "OP_COLORS", "PHASE_COLORS", "alpha_beta_plot", "a
            "block_errors", "fmt_bytes", "grouped_bars", "ledger_bars", "loss_curves", "memory_bars",
            "offload_timelines", "ring_grid", "scaling_plot", "table", "timeline", "timeline_data"]
 
-if current() == "zh":   # titles a cell passes through tr() are drawn before localize(): the font comes first
+# Titles a cell passes through tr() are drawn before localize() runs, so under zeroedu.lang("zh") (set in the
+# Chinese notebooks' first cell, before anything imports this module) the font with Chinese glyphs comes first now.
+if current() == "zh":
     use_cjk_font()
 
 # One colour per memory category, in stacking order: model states first (the paper's three, plus fp32 master

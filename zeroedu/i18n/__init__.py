@@ -9,7 +9,6 @@ message printed by rank 0 speaks the notebook's language too.
 from __future__ import annotations
 
 import os
-import sys
 
 LANGUAGES = ("en", "zh")
 ENV = "ZEROEDU_LANG"
@@ -26,10 +25,6 @@ def lang(code: str | None = None) -> str | None:
         raise ValueError(f"zeroedu.lang({code!r}): the course speaks {' and '.join(LANGUAGES)}; "
                          f"use zeroedu.lang('en') or zeroedu.lang('zh')")
     os.environ[ENV] = norm
-    if norm == "zh" and "matplotlib" in sys.modules:   # zeroedu.course.viz does it when it is imported later
-        from zeroedu.i18n.figures import use_cjk_font
-
-        use_cjk_font()   # before the next figure: a text made in a font without Chinese glyphs shows boxes
     return None
 
 
