@@ -63,10 +63,13 @@ NBVAL_KERNEL_FREE := solutions/ex09_choose_strategy.ipynb solutions/ex10_spot_th
 # 2-core machine, /proc/stat sampled every 10 s): with nbval beside pytest the machine was 95-100 % busy for the
 # 13 minutes nbval ran, then 35-65 % (about one core) for the 20 minutes pytest ran alone: a pytest run is mostly
 # one process at a time (a fresh interpreter importing torch, a kernel starting, ranks waiting on gloo sockets).
-# So the second stream takes the grader's tests, a third of pytest's time, once nbval is done. The run beside
-# writes to build/beside.log, printed when both are done; the exit status fails if either failed; Ctrl-C stops
-# both. NBVAL_BESIDE=0 runs everything one after the other (on a machine that other jobs keep busy, where the
-# tests' time limits have less room).
+# So the second stream takes the grader's end-to-end tests once nbval is done. Measured in the same way with
+# that layout (9c70fb0): the foreground pytest 20 min 15 s, beside it nbval 5 min 48 s + 6 min 8 s then
+# tests/test_grading.py 10 min 50 s; the whole .ci/run 24 min 4 s, the cores 88-100 % busy for its first 21 min.
+# Two of the grader's tests then moved to tests/test_grading_failures.py, in the foreground, to even the streams.
+# The run beside writes to build/beside.log, printed when both are done; the exit status fails if either failed;
+# Ctrl-C stops both. NBVAL_BESIDE=0 runs everything one after the other (on a machine that other jobs keep busy,
+# where the tests' time limits have less room).
 NBVAL_BESIDE ?= 1
 BESIDE_LOG := build/beside.log
 PYTEST_BESIDE := tests/test_grading.py

@@ -66,10 +66,10 @@ SLOW_TESTS = [
     "tests/test_grading.py::test_every_exercise_stub_scores_zero_with_a_helpful_message",
     "tests/test_grading.py::test_wrong_answers_lose_their_points_with_a_hint",    # conftest.wrong_answer_class
     "tests/test_grading.py::test_deadlocked_ranks_are_ended_by_launch_not_by_the_kernel",
-    "tests/test_grading.py::test_gradebook_of_three_learners_one_hanging_one_crashing",
+    "tests/test_grading_failures.py::test_gradebook_of_three_learners_one_hanging_one_crashing",
     "tests/test_grading.py::test_printing_megabytes_and_deleting_outside_files",
     "tests/test_grading.py::test_hostile_submissions_score_what_they_should_and_change_nothing_outside",
-    "tests/test_grading.py::test_rank_failures_keep_the_learners_line_and_name_the_rank_that_left_the_collective",
+    "tests/test_grading_failures.py::test_rank_failures_keep_the_learners_line_and_name_the_rank_that_left_the_collective",
     "tests/test_grading.py::test_ten_correct_but_different_solutions_score_full_marks",
     "tests/test_grading.py::test_gradebook_counts_unreadable_as_zero_of_full_grades_the_newest_copy_and_refuses_links",
     "tests/test_grading.py::test_sandboxed_kernels_are_interrupted_and_killed_like_trusted_ones",   # 43 s
