@@ -209,39 +209,27 @@ def thread_origin() -> str | None:
 
 
 def _track_threads() -> None:
+    """Wrap the functions that start a thread (start_new_thread; on Python 3.13 Thread.start calls
+    start_joinable_thread instead) so that the new thread remembers the learner frame that started it."""
     import _thread
 
-    start = _thread.start_new_thread
-    if getattr(start, "_zeroedu_blocked", False):
-        return
+    for name, alias in (("start_new_thread", "_start_new_thread"), ("start_joinable_thread", "_start_joinable_thread")):
+        start = getattr(_thread, name, None)
+        if start is None or getattr(start, "_zeroedu_blocked", False):
+            continue
 
-    def start_new_thread(function: Any, args: tuple, kwargs: dict | None = None) -> int:
-        where = learner_on_stack() or thread_origin()
-
-        def run(*a: Any, **k: Any) -> Any:
-            _ORIGIN.where = where
-            return function(*a, **k)
-
-        return start(run, args, kwargs or {})
-
-    start_new_thread._zeroedu_blocked = True   # type: ignore[attr-defined]
-    _thread.start_new_thread = start_new_thread
-    threading._start_new_thread = start_new_thread   # type: ignore[attr-defined]  -- what Thread.start calls
-    joinable = getattr(_thread, "start_joinable_thread", None)
-    if joinable is not None:   # Python 3.13: Thread.start calls this one instead
-
-        def start_joinable_thread(function: Any, *args: Any, **kwargs: Any) -> Any:
+        def starting(function: Any, *args: Any, _start: Any = start, **kwargs: Any) -> Any:
             where = learner_on_stack() or thread_origin()
 
-            def run() -> Any:
+            def run(*a: Any, **k: Any) -> Any:
                 _ORIGIN.where = where
-                return function()
+                return function(*a, **k)
 
-            return joinable(run, *args, **kwargs)
+            return _start(run, *args, **kwargs)
 
-        start_joinable_thread._zeroedu_blocked = True   # type: ignore[attr-defined]
-        _thread.start_joinable_thread = start_joinable_thread
-        threading._start_joinable_thread = start_joinable_thread   # type: ignore[attr-defined]
+        starting._zeroedu_blocked = True   # type: ignore[attr-defined]
+        setattr(_thread, name, starting)
+        setattr(threading, alias, starting)   # what Thread.start calls
 
 
 def _track_construction(cls: type) -> None:
