@@ -11,7 +11,7 @@ import pytest
 from test_grading import EXERCISES, SOLUTIONS, _points, _sandboxed_or_trusted
 
 from zeroedu import theory
-from zeroedu.grading import ex10, grader
+from zeroedu.grading import ex10, grader, tr
 
 EXERCISE = "ex10_spot_the_errors"
 
@@ -26,7 +26,7 @@ def _solution() -> nbformat.NotebookNode:
 
 def _hidden_rubric() -> list[ex10.Expect]:
     """RUBRIC_B as the solution's hidden cell writes it (nowhere else)."""
-    space: dict = {"ex10": ex10, "check": lambda *a: None, "ANSWERS": None}
+    space: dict = {"ex10": ex10, "check": lambda *a: None, "tr": tr, "ANSWERS": None}   # what the setup cell binds
     exec(_cell(_solution(), "ex10-hidden-answers").source, space)
     return space["RUBRIC_B"]
 
@@ -126,8 +126,9 @@ def test_the_hidden_rubric_is_in_no_module_the_kernel_can_import():
     sources = "\n".join(p.read_text(encoding="utf-8") for p in package.rglob("*.py"))
     exercise = (EXERCISES / f"{EXERCISE}.ipynb").read_text(encoding="utf-8")
     for r in _hidden_rubric():
-        for _, hint in r.mistakes:
-            assert hint not in sources and hint[:40] not in exercise, r.id
+        for _, pair in r.mistakes:
+            for hint in (pair if isinstance(pair, tuple) else (pair,)):   # English and 中文
+                assert hint not in sources and hint[:40] not in exercise, r.id
 
 
 def _submission(tmp_path: Path, answers: str) -> Path:

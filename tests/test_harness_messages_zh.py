@@ -32,7 +32,9 @@ from zeroedu.i18n import ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 CJK = re.compile(r"[\u4e00-\u9fff]")
-SOURCES = sorted((ROOT / "zeroedu/grading/exercises").glob("*.py"))
+SOURCES = sorted((ROOT / "zeroedu/grading/exercises").glob("*.py")) + [ROOT / "zeroedu/grading/ex10.py"]
+SOLUTIONS = sorted((ROOT / "solutions").glob("ex*.ipynb"))
+CALL_WRITTEN_OUT = re.compile(r": '\w+\( ")   # f"min_gpus({psi:g}, stage={stage}, ...)": a call, not a sentence
 
 # Functions whose English literals are not messages to a learner.
 ALLOWED_FUNCTIONS = {
@@ -51,8 +53,8 @@ ALLOWED_LITERALS = {
 }
 
 
-def _english_left(path: Path) -> list[str]:
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+def _english_left(path: Path, source: str | None = None) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8") if source is None else source)
     skip: set[int] = set()
     for node in ast.walk(tree):
         # docstrings and the bare strings that document a constant
@@ -62,14 +64,21 @@ def _english_left(path: Path) -> list[str]:
             skip |= {id(v) for v in node.values}
         if isinstance(node, ast.FunctionDef) and node.name in ALLOWED_FUNCTIONS:
             skip |= {id(n) for n in ast.walk(node)}
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_FRAME" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") in ("_FRAME", "SHEET") for t in node.targets):
             skip |= {id(n) for n in ast.walk(node)}   # the traceback regex
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "tr":
+        if (isinstance(node, ast.Tuple) and len(node.elts) == 2
+                and all(isinstance(e, ast.Constant | ast.JoinedStr) for e in node.elts)
+                and CJK.search(_literal_text(node.elts[1]))):   # ("English", "中文"), said later with tr(*pair)
+            skip |= {id(n) for elt in node.elts for n in ast.walk(elt)}
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "tr" and not (
+                len(node.args) == 1 and isinstance(node.args[0], ast.Starred)):
             assert len(node.args) == 2, f"{path.name}:{node.lineno}: {ast.unparse(node)[:100]}"
             zh = " ".join(_literal_text(n) for n in ast.walk(node.args[1]))
             en = " ".join(_literal_text(n) for n in ast.walk(node.args[0]))
             assert CJK.search(zh) or not _is_prose(en), f"{path.name}:{node.lineno}: no Chinese: {en[:80]}"
-            assert not CJK.search(en), f"{path.name}:{node.lineno}: Chinese in the English half"
+            # exercise 10 names the verdict words a learner may answer with (对/错, 不是) in English too
+            assert not CJK.search(re.sub(r"对 ?/ ?错|不是", "", en)), \
+                f"{path.name}:{node.lineno}: Chinese in the English half"
             skip |= {id(n) for arg in node.args for n in ast.walk(arg)}
     return [f"{path.name}:{n.lineno}: {_literal_text(n)[:90]!r}" for n in ast.walk(tree)
             if id(n) not in skip and _is_prose(_literal_text(n)) and _literal_text(n) not in ALLOWED_LITERALS]
@@ -78,6 +87,85 @@ def _english_left(path: Path) -> list[str]:
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
 def test_no_harness_message_is_left_in_english_only(path):
     assert _english_left(path) == []
+
+
+def _test_cells(path: Path) -> list[tuple[str, str]]:
+    """(grade_id, source) of each test cell of a solution notebook."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    return [(c.metadata["nbgrader"]["grade_id"], c.source) for c in nb.cells
+            if c.cell_type == "code" and c.metadata.get("nbgrader", {}).get("grade")]
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem[:4])
+def test_every_check_name_and_hint_in_the_exercises_has_a_chinese_form(path):
+    """The test cells are shared by both editions: each check()'s name is tr("English", "中文"), and every hint an
+    assert or raise gives is inside a tr() (the same static reading as the harnesses')."""
+    cells = _test_cells(path)
+    assert cells
+    for gid, source in cells:
+        tree = ast.parse(source)
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "check"]
+        assert calls, gid
+        for call in calls:
+            name = call.args[0]
+            assert isinstance(name, ast.Call) and getattr(name.func, "id", "") == "tr", f"{gid}: {ast.unparse(name)}"
+            en, zh = (a.value for a in name.args)
+            assert CJK.search(zh) and not CJK.search(en), gid
+        left = [m for m in _english_left(path, source) if not CALL_WRITTEN_OUT.search(m)]
+        assert left == [], gid
+
+
+def _run_ex09(answers: dict) -> list[str]:
+    """Exercise 9's test cells (no torch, no kernel) against the given answers, each failed check's line."""
+    from zeroedu.grading import CheckFailed
+
+    ns: dict = {}
+    lines = []
+    import nbformat
+
+    nb = nbformat.read(ROOT / "solutions/ex09_choose_strategy.ipynb", as_version=4)
+    for cell in nb.cells:
+        info = cell.metadata.get("nbgrader", {})
+        if cell.cell_type != "code" or info.get("grade_id") == "zeroedu-setup":
+            continue
+        try:
+            exec(cell.source, ns)   # the notebook's own code, as its kernel runs it
+        except CheckFailed as e:
+            lines.append(e.line())
+        if info.get("solution"):
+            ns.update(answers)
+    return lines
+
+
+def test_exercise_checks_speak_the_notebooks_language(monkeypatch):
+    """Wrong answers to exercise 9 (bytes that ignore N, a GPU count that is never the smallest): the same cells
+    say the check names and hints in 中文 under zeroedu.lang("zh"), in English otherwise."""
+    wrong = {"comm_bytes_per_rank": lambda *a, **k: 1.0, "min_gpus": lambda *a, **k: 3}
+    monkeypatch.setenv(ENV, "en")
+    english = _run_ex09(wrong)
+    zeroedu.lang("zh")
+    chinese = _run_ex09(wrong)
+    assert len(english) == len(chinese) >= 4
+    assert all(not CJK.search(line) for line in english), english
+    assert all(CJK.search(line) for line in chinese), chinese
+    assert english[0].startswith("✗ bytes one rank sends per step, stage by stage (0/1): stage 0, 1e9 bf16 parameters")
+    assert chinese[0].startswith("✗ 逐个 stage：每个 rank 每步发送的字节数 (0/1): stage 0，1e9 个 bf16 参数、4 个 rank")
+    assert any("已经放得下：返回最小的 N" in line for line in chinese)
+
+
+def test_exercise_10_grades_in_the_learners_language(monkeypatch):
+    from zeroedu.grading import ex10
+
+    monkeypatch.setenv(ENV, "en")
+    a1 = ex10.RUBRIC[0]
+    assert ex10.grade_answer("错。是 2 倍。", a1)[0].startswith("2× is the sheet's error")
+    assert ex10.grade_answer("", a1) == ["no answer: write one sentence, 对/错 (right/wrong) first, with the number"]
+    zeroedu.lang("zh")
+    assert ex10.grade_answer("错。是 2 倍。", a1)[0].startswith("2 倍正是原文的错误")
+    assert ex10.grade_answer("对，2 倍", a1)[0] == "这条说法不是“对”：用闭式公式核对它的数字"
+    assert ex10.grade_answer("错，差不多", a1)[0] == "写出数字：ZeRO-3 每步通信字节数是 DDP 的几倍"
 
 
 def test_the_static_check_sees_an_english_only_message(tmp_path):

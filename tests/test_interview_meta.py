@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from zeroedu.grading import ex10
+from zeroedu.grading import ex10, tr
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,7 +88,7 @@ def _hidden_rubric() -> list[ex10.Expect]:
     cell = next(c for c in nb.cells
                 if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "ex10-hidden-answers")
     assert "### BEGIN HIDDEN TESTS" in cell.source
-    space: dict = {"ex10": ex10, "check": lambda *args: None, "ANSWERS": None}
+    space: dict = {"ex10": ex10, "check": lambda *args: None, "tr": tr, "ANSWERS": None}   # the setup cell's names
     exec(cell.source, space)
     return space["RUBRIC_B"]
 
@@ -103,9 +103,11 @@ def test_ex10_hidden_rubric_is_in_no_module_the_exercise_can_import():
              if p.is_file() and p.suffix in (".py", ".json", ".txt", ".md", ".cfg", ".toml")}
     exercise = (ROOT / "exercises" / "ex10_spot_the_errors.ipynb").read_text(encoding="utf-8")
     for r in rubric:
-        for _, words in r.mistakes:
-            assert not [str(p) for p, t in texts.items() if words in t], f"{r.id} is readable in zeroedu/"
-            assert words not in exercise and json.dumps(words)[1:-1] not in exercise, f"{r.id} in the exercise"
+        for _, pair in r.mistakes:
+            for words in (pair if isinstance(pair, tuple) else (pair,)):   # English and 中文
+                assert not [str(p) for p, t in texts.items() if words in t], f"{r.id} is readable in zeroedu/"
+                assert words not in exercise and json.dumps(words, ensure_ascii=False)[1:-1] not in exercise, \
+                    f"{r.id} in the exercise"
 
 
 def _shown(nb) -> str:

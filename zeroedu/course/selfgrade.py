@@ -127,9 +127,10 @@ def _one(args: argparse.Namespace, trusted: bool) -> int:
 
         record_grade(args.paths[0], results[0])
         from zeroedu.grading import hints  # one more hint per failed check, each time it fails again
-        from zeroedu.i18n import current
 
-        for line in hints.progressive(results[0], hints.record_failures(args.paths[0], results[0]), current()):
+        # in the notebook's language (the Chinese edition's), as its checks spoke
+        for line in hints.progressive(results[0], hints.record_failures(args.paths[0], results[0]),
+                                      results[0].language):
             print(line)
     return 0
 

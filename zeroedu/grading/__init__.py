@@ -2,8 +2,9 @@
 
 In a notebook:
 
-    from zeroedu.grading import check
+    from zeroedu.grading import check, tr
     check("stage 3 divides everything by N", 2, lambda: ...)       # "✓ name (2/2)" or "✗ name (0/2): hint"
+    check(tr("stage 3 divides everything by N", "ZeRO-3 把一切都除以 N"), 2, ...)   # in the learner's language
 
 Two parts. The sandboxed grader, which knows notebooks and sandboxes but not the engine: check (the check-cell
 helper), notebook (nbgrader cell conventions, stubs), build (`zeroedu build-exercises`), grader (`zeroedu grade`;
@@ -17,5 +18,6 @@ ex10 (exercise 10's harness) stays here for now.
 """
 
 from zeroedu.grading.check import CheckFailed, check, describe_exception
+from zeroedu.i18n import tr  # the exercises' test cells say their checks' names and hints in the learner's language
 
-__all__ = ["CheckFailed", "check", "describe_exception"]
+__all__ = ["CheckFailed", "check", "describe_exception", "tr"]

@@ -73,7 +73,7 @@ from zeroedu.grading.score import _refusals, full_points, score
 from zeroedu.grading.scratch import remove_tree
 from zeroedu.grading.source import forged_answers, grader_names, places, shadowed_engine_names
 from zeroedu.grading.submissions import Submission, collect, guess_exercise, load_solutions, newest_only, stage
-from zeroedu.i18n import tr
+from zeroedu.i18n import LANGUAGES, current, speaking, tr
 
 __all__ = ["CSV_FIELDS", "CellRun", "ExerciseResult", "Limits", "Options", "Submission", "TestResult", "assemble",
            "collect", "default_options", "forged_answers", "full_points", "grade", "grade_notebook", "gradebook",
@@ -106,9 +106,8 @@ def default_options(solutions_dir: Path | None, inputs: list[Path], executed: Pa
 def grade_notebook(path: Path, learner: str, solutions: dict[str, Any], limits: Limits,
                    scratch: Path, executed: Path | None = None, options: Options | None = None,
                    shown_as: str | None = None) -> ExerciseResult:
-    """Grade one notebook (a copy the grader made: `shown_as` is the submission's own path, for the report)."""
-    from zeroedu.grading import sandbox as sb
-
+    """Grade one notebook (a copy the grader made: `shown_as` is the submission's own path, for the report), in
+    the language the notebook declares (metadata zeroedu.language, "zh" in notebooks/zh/), else the grader's."""
     options = options or default_options(None, [path], executed)
     t0 = time.monotonic()
     shown = shown_as or str(path)
@@ -121,6 +120,18 @@ def grade_notebook(path: Path, learner: str, solutions: dict[str, Any], limits: 
         result.notes.append(tr(f"cannot read {shown} as a notebook: {why}",
                                f"无法把 {shown} 当作 notebook 读取：{why}"))
         return result
+    meta = submission.metadata.get("zeroedu")
+    declared = meta.get("language") if isinstance(meta, dict) else None   # "zh" in the Chinese edition
+    result.language = declared if declared in LANGUAGES else current()
+    with speaking(result.language):   # the check names, hints and notes of this notebook, in its language
+        return _grade_read(path, submission, result, solutions, limits, scratch, executed, options, shown, t0)
+
+
+def _grade_read(path: Path, submission: Any, result: ExerciseResult, solutions: dict[str, Any], limits: Limits,
+                scratch: Path, executed: Path | None, options: Options, shown: str, t0: float) -> ExerciseResult:
+    from zeroedu.grading import sandbox as sb
+
+    learner = result.learner
     name = match_solution(path, submission, solutions)
     if name is None:
         result.status = "unknown exercise"

@@ -29,6 +29,7 @@ class ExerciseResult:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     sha256: str = ""           # of the submission as handed in (the grader graded a copy)
+    language: str = "en"       # of its check names, hints and notes: the notebook's (zeroedu.language), or the grader's
 
     @property
     def passed(self) -> int:

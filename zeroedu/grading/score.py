@@ -3,6 +3,7 @@ the other cells that failed, the guard's refusals from the kernel's log, and wha
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import re
@@ -17,7 +18,27 @@ REFUSED_MARK = "zeroedu-grade-refused "   # guard/sitecustomize.py writes refusa
 
 
 def _test_name(cell: Any, grade_id: str) -> str:
-    names = re.findall(r"\bcheck\(\s*f?[\"']([^\"']+)[\"']", cell.source)
+    """The names the cell's check() calls give, read from its source: a plain string, or tr("English", "中文") said
+    in the grader's language; the grade_id when there is none."""
+    from zeroedu.i18n import tr
+
+    names = []
+    try:
+        tree = ast.parse(cell.source)
+    except SyntaxError:   # a magic, say: the names written as plain strings
+        names = re.findall(r"\bcheck\(\s*[\"']([^\"']+)[\"']", cell.source)
+        return "; ".join(names) if names else grade_id
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "check"
+                and node.args):
+            continue
+        first = node.args[0]
+        if isinstance(first, ast.Call) and isinstance(first.func, ast.Name) and first.func.id == "tr":
+            texts = [a.value for a in first.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            if len(texts) == 2:
+                names.append(tr(*texts))
+        elif isinstance(first, ast.Constant) and isinstance(first.value, str):
+            names.append(first.value)
     return "; ".join(names) if names else grade_id
 
 
