@@ -87,3 +87,34 @@ def test_speaking_is_per_thread_and_ends_with_its_block(monkeypatch):
     with pytest.raises(ValueError, match="the course speaks en and zh"):
         with speaking("fr"):
             pass
+
+
+def test_the_graders_own_verdicts_speak_the_notebooks_language():
+    """What the grader says about a cell that timed out, was killed, did not run or raised, and about code that
+    calls the engine's own answer: 中文 inside speaking("zh"), the English wording outside."""
+    from zeroedu.grading import kernel, remote
+    from zeroedu.grading.results import CellRun
+    from zeroedu.grading.score import _plain
+
+    runs = [CellRun("timeout", evalue="30"), CellRun("killed", evalue="30"), CellRun("died", evalue="SIGKILL"),
+            CellRun("not run"), CellRun("error", "NotImplementedError", ""), CellRun("error", "AssertionError", ""),
+            CellRun("error", "NameError", "name 'f' is not defined")]
+
+    def said() -> list[str]:
+        out = [_plain(r) for r in runs]
+        with pytest.raises(remote.KernelUnavailable) as e:
+            remote.unplain([[[]]], depth=99)
+        who = kernel.tr("your code (cell 3)", "你的代码（cell 3）")
+        return [*out, str(e.value), kernel._message("Stage1.step", who)]
+
+    with speaking("zh"):
+        chinese = said()
+    with speaking("en"):
+        english = said()
+    assert all(CJK.search(text) for text in chinese), chinese
+    assert not any(CJK.search(text) for text in english), english
+    assert chinese[0] == "运行超过 30 秒被中断：可能是死循环，或各 rank 互相等待（deadlock，死锁）"
+    assert english[0].startswith("timed out after 30 s and was interrupted")
+    assert english[6] == "name 'f' is not defined: run the cell that defines it first, and fix it if it fails"
+    assert chinese[6] == "name 'f' is not defined：请先运行定义它的单元格；如果那个单元格报错，先把它修好"
+    assert chinese[8].startswith("Stage1.step 是本练习要你自己写的部分")

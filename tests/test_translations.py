@@ -274,3 +274,8 @@ def test_chinese_exercises_grade_as_the_english_ones(tmp_path):
         assert full["points"] == full["max_points"] == sum(want.values())
         assert {t["grade_id"] for t in stub["tests"]} == set(want)
         assert stub["points"] == 0 and stub["max_points"] == sum(want.values())
+        # and the grader spoke the notebooks' language: every check name and every failure in 中文
+        assert full["language"] == stub["language"] == "zh"
+        for t in full["tests"] + stub["tests"]:
+            assert re.search(r"[\u4e00-\u9fff]", t["name"]), t
+            assert t["passed"] or re.search(r"[\u4e00-\u9fff]", t["message"]), t

@@ -30,6 +30,8 @@ import traceback
 import weakref
 from typing import Any
 
+from zeroedu.i18n import tr
+
 CONFIG_PATH = "/run/zeroedu-grade/config.json"   # bound read-only into the sandbox by the grader
 EXCHANGE = ".zeroedu-exchange"                   # kept for old imports; the pipes no longer live in the work folder
 EXCHANGE_PATH = "/run/zeroedu-grade/exchange"    # the grader's folder of test pipes, bound read-only in the sandbox
@@ -261,9 +263,11 @@ class WriteYourOwn(NotImplementedError):
 
 
 def _message(target: str, who: str) -> str:
-    return (f"{target} is the part this exercise asks you to write; while grading, zeroedu's own raises this "
-            f"error when {who} reaches it. Write the body yourself (no super() call, no call to zeroedu's "
-            "version).")
+    return tr(f"{target} is the part this exercise asks you to write; while grading, zeroedu's own raises this "
+              f"error when {who} reaches it. Write the body yourself (no super() call, no call to zeroedu's "
+              "version).",
+              f"{target} 是本练习要你自己写的部分；评分时，{who}一调用到 zeroedu 自己的版本就会抛出这个错误。"
+              "请自己写出函数体（不要调用 super()，也不要调用 zeroedu 的版本）。")
 
 
 def _like(blocked: Any, original: Any) -> Any:
@@ -284,13 +288,14 @@ def _block_method(cls: type, name: str, label: str) -> None:
     def blocked(self: Any, *args: Any, **kwargs: Any) -> Any:
         who = learner_class(self)
         if who is not None:
-            raise WriteYourOwn(_message(label, f"your class {who}"))
+            raise WriteYourOwn(_message(label, tr(f"your class {who}", f"你的类 {who} ")))
         made = _made_by_learner(self)
         if made is not None:
-            raise WriteYourOwn(_message(label, f"an object your code made ({made}), whatever its class now"))
+            raise WriteYourOwn(_message(label, tr(f"an object your code made ({made}), whatever its class now",
+                                                  f"你的代码创建的对象（{made}，不论它现在是什么类）")))
         where = learner_on_stack() or thread_origin()
         if where:
-            raise WriteYourOwn(_message(label, f"your code ({where})"))
+            raise WriteYourOwn(_message(label, tr(f"your code ({where})", f"你的代码（{where}）")))
         return original(self, *args, **kwargs)
 
     setattr(cls, name, _like(blocked, original))
@@ -304,7 +309,7 @@ def _block_function(module: Any, name: str, label: str) -> None:
     def blocked(*args: Any, **kwargs: Any) -> Any:
         where = learner_on_stack() or thread_origin()
         if where:
-            raise WriteYourOwn(_message(label, f"your code ({where})"))
+            raise WriteYourOwn(_message(label, tr(f"your code ({where})", f"你的代码（{where}）")))
         return original(*args, **kwargs)
 
     setattr(module, name, _like(blocked, original))
@@ -412,18 +417,23 @@ def check_harness(fn: Any) -> None:
     this error, not the rows. (Deeper rebinding, inside what those call, is beyond this check.)"""
     code = getattr(fn, "__code__", None)
     if code is None or not is_library_code(code):
-        raise WriteYourOwn(f"the grader's harness function {getattr(fn, '__qualname__', fn)!r} was replaced by "
-                           "code of yours in this kernel: the grader does not trust what it returns")
+        what = repr(getattr(fn, "__qualname__", fn))
+        raise WriteYourOwn(tr(f"the grader's harness function {what} was replaced by code of yours in this kernel: "
+                              "the grader does not trust what it returns",
+                              f"评分器的测试函数 {what} 在这个 kernel 里被你的代码替换了：评分器不信任它的返回值"))
     globs = getattr(fn, "__globals__", {})
     for name in _code_names(code):
         value = globs.get(name)
         target = getattr(value, "__func__", value)
         if isinstance(target, type):
             if _is_learner_class(target):
-                raise WriteYourOwn(f"{name}, which the grader's harness uses, was replaced by a class of yours")
+                raise WriteYourOwn(tr(f"{name}, which the grader's harness uses, was replaced by a class of yours",
+                                      f"评分器的测试用到的 {name} 被替换成了你的类"))
         elif isinstance(getattr(target, "__code__", None), type(code)) and not is_library_code(target.__code__):
-            raise WriteYourOwn(f"{name}, which the grader's harness uses, was replaced by code of yours in this "
-                               "kernel: the grader does not trust what it returns")
+            raise WriteYourOwn(tr(f"{name}, which the grader's harness uses, was replaced by code of yours in this "
+                                  "kernel: the grader does not trust what it returns",
+                                  f"评分器的测试用到的 {name} 在这个 kernel 里被你的代码替换了："
+                                  "评分器不信任它的返回值"))
 
 
 def answer(request: dict) -> dict:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from zeroedu.grading import remote
+from zeroedu.i18n import tr
 
 
 class _Captured:
@@ -95,8 +96,10 @@ class _KernelLink:
         self.status, self.detail = (status, detail) if status != "ok" else ("ended", "")
         if status in ("killed", "died"):
             self.runner.kernel_lost = True
-        raise remote.KernelUnavailable(f"your code did not finish: {status}" if status != "ok" else
-                                       "the kernel stopped answering (your code ended the grader's request loop)")
+        raise remote.KernelUnavailable(tr(f"your code did not finish: {status}", f"你的代码没有运行完：{status}")
+                                       if status != "ok" else
+                                       tr("the kernel stopped answering (your code ended the grader's request loop)",
+                                          "kernel 不再应答（你的代码结束了评分器的请求循环）"))
 
     def _read(self, n: int) -> bytes:
         out = bytearray()
@@ -153,8 +156,10 @@ class _KernelLink:
         if before is not None and after is not None:
             self.wire = after - before
         if size > remote.MAX_ANSWER_BYTES:
-            raise remote.KernelUnavailable(f"your code returned {size} bytes of data, more than the grader reads "
-                                           f"({remote.MAX_ANSWER_BYTES})")
+            cap = remote.MAX_ANSWER_BYTES
+            raise remote.KernelUnavailable(tr(f"your code returned {size} bytes of data, more than the grader reads "
+                                              f"({cap})",
+                                              f"你的代码返回了 {size} 字节的数据，超过了评分器读取的上限（{cap}）"))
         return remote.decode_answer(self._read(size), self.runner.limits.max_output, self.runner.ns)
 
     def close(self) -> None:

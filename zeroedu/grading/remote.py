@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from zeroedu.i18n import tr
+
 MAX_ANSWER_BYTES = 512 * 2**20   # an answer file larger than this is refused, unread
 MAX_ANSWER_ITEMS = 1_000_000     # values (list items, dict entries, tensors...) an answer may unfold into
 
@@ -128,8 +130,10 @@ class _Budget:
     def take(self) -> None:
         self.left -= 1
         if self.left < 0:
-            raise KernelUnavailable(f"your code returned more than {MAX_ANSWER_ITEMS} values (lists sharing "
-                                    "lists count once per place they appear); the grader stopped reading it")
+            raise KernelUnavailable(tr(f"your code returned more than {MAX_ANSWER_ITEMS} values (lists sharing "
+                                       "lists count once per place they appear); the grader stopped reading it",
+                                       f"你的代码返回了超过 {MAX_ANSWER_ITEMS} 个值（共享的列表在每处出现都计一次）；"
+                                       "评分器停止读取"))
 
 
 def unplain(x: Any, ns: dict | None = None, budget: _Budget | None = None, depth: int = 0) -> Any:
@@ -137,7 +141,8 @@ def unplain(x: Any, ns: dict | None = None, budget: _Budget | None = None, depth
     budget = budget or _Budget()
     budget.take()
     if depth > 100:
-        raise KernelUnavailable("your code returned data nested more than 100 levels deep")
+        raise KernelUnavailable(tr("your code returned data nested more than 100 levels deep",
+                                   "你的代码返回的数据嵌套超过了 100 层"))
     if isinstance(x, dict):
         if set(x) == {"__object__"}:
             return Object(str(x["__object__"])[:200])
@@ -182,7 +187,8 @@ def raise_remote(error: dict, cap: int) -> None:
     usable = isinstance(cls, type) and issubclass(cls, Exception)
     if not usable:
         if name == "KeyboardInterrupt":
-            raise KernelUnavailable("your code was interrupted: it ran past the time limit of the test")
+            raise KernelUnavailable(tr("your code was interrupted: it ran past the time limit of the test",
+                                       "你的代码被中断了：它超过了这个测试的时间上限"))
         cls, message = LearnerError, f"{name}: {message}"
     try:
         e = cls(message)

@@ -26,6 +26,7 @@ from zeroedu.grading.kernel import EXCHANGE_PATH
 from zeroedu.grading.link import _Captured, _KernelLink
 from zeroedu.grading.results import CellRun, Limits
 from zeroedu.grading.source import grader_names, places
+from zeroedu.i18n import tr
 
 GUARD_DIR = Path(__file__).resolve().parent / "guard"
 PROBE_SECONDS = 10.0      # after a timeout, how long an interrupted kernel gets to answer again (loaded machines)
@@ -109,7 +110,8 @@ class _Runner:
                 break
         for i in range(start, len(self.nb.cells)):
             if self.runs[i].status == "not run" and self.nb.cells[i].cell_type == "code":
-                self.runs[i] = CellRun("not run", evalue="the kernel was restarted too often")
+                self.runs[i] = CellRun("not run", evalue=tr("the kernel was restarted too often",
+                                                            "kernel 重启次数太多"))
 
     async def _session(self, start: int, replay: bool) -> int:
         """Run cells from `start` in a fresh kernel; return where to resume if the kernel had to go."""
@@ -156,11 +158,13 @@ class _Runner:
                                 return start  # try again in another fresh kernel (MAX_RESTARTS bounds it)
                 for i in range(start, len(self.nb.cells)):
                     if self.left() <= 0:
-                        self.notes.append(f"the notebook ran past its {self.limits.notebook_timeout:g} s limit: "
-                                          f"cells from {i} on did not run")
+                        limit = f"{self.limits.notebook_timeout:g}"
+                        self.notes.append(tr(f"the notebook ran past its {limit} s limit: cells from {i} on did not "
+                                             "run", f"notebook 运行超过了 {limit} 秒的上限：第 {i} 个单元格及之后的"
+                                             "都没有运行"))
                         for j in range(i, len(self.nb.cells)):
-                            self.runs[j] = CellRun("not run", evalue=(
-                                f"the notebook ran past its {self.limits.notebook_timeout:g} s limit"))
+                            self.runs[j] = CellRun("not run", evalue=tr(f"the notebook ran past its {limit} s limit",
+                                                                        f"notebook 运行超过了 {limit} 秒的上限"))
                         return len(self.nb.cells)
                     status = await self._execute(client, replies, i)
                     if status in ("killed", "died"):
@@ -171,8 +175,8 @@ class _Runner:
         except Exception as e:   # the kernel did not start (its start-up died) or stopped talking while set up
             if started:
                 raise
-            problem = (f"the kernel did not start ({type(e).__name__}: {_cut(str(e), 200)}; "
-                       f"{self._kernel_tail()})")
+            why = f"{type(e).__name__}: {_cut(str(e), 200)}; {self._kernel_tail()}"
+            problem = tr(f"the kernel did not start ({why})", f"kernel 没有启动（{why}）")
             self.notes.append(problem)
             for j in range(start, len(self.nb.cells)):
                 if self.runs[j].status == "not run":
@@ -212,7 +216,8 @@ class _Runner:
         if self.places[i] == "both" and status == "ok":
             here = await self._grader_cell(i, record=False)
             if here != "ok":
-                self.notes.append(f"the given cell {self._label(i)} failed in the grader: {self.grader_error}")
+                self.notes.append(tr(f"the given cell {self._label(i)} failed in the grader: {self.grader_error}",
+                                     f"给定的单元格 {self._label(i)} 在评分器中出错：{self.grader_error}"))
         return status
 
     async def _grader_cell(self, i: int, record: bool = True) -> str:
@@ -325,13 +330,16 @@ class _Runner:
         try:
             await client.async_execute_cell(cell, 0)
         except Exception as e:  # CellTimeoutError, DeadKernelError
-            return f"the grader's set-up code did not run in the kernel ({type(e).__name__}: {str(e)[:200]})"
+            why = f"{type(e).__name__}: {str(e)[:200]}"
+            return tr(f"the grader's set-up code did not run in the kernel ({why})",
+                      f"评分器的准备代码没能在 kernel 中运行（{why}）")
         finally:
             client.interrupt_on_timeout = True
             self.nb.cells[0] = first
         errors = [o for o in cell.outputs if o.get("output_type") == "error"]
         if errors:
-            return f"the grader's set-up code failed: {errors[0]['ename']}: {errors[0]['evalue']}"
+            why = f"{errors[0]['ename']}: {errors[0]['evalue']}"
+            return tr(f"the grader's set-up code failed: {why}", f"评分器的准备代码出错：{why}")
         return ""
 
     async def _responsive(self, client: _Client) -> bool:
@@ -351,7 +359,7 @@ class _Runner:
 
     def _label(self, i: int) -> str:
         gid = self.nb.cells[i].metadata.get("zeroedu_grade", {}).get("grade_id")
-        return f"'{gid}'" if gid else "a cell you added"
+        return f"'{gid}'" if gid else tr("a cell you added", "你添加的一个单元格")
 
     def _log_size(self) -> int:
         return self.log.received if self.log is not None else 0
@@ -361,5 +369,6 @@ class _Runner:
         data = self.log.since(self.log_offset) if self.log is not None else b""
         text = data.decode(errors="replace").strip().splitlines()
         last = text[-1] if text else ""
-        return f"last kernel message: {last[:200]}" if last else "no message: os._exit, a crash in native code, " \
-            "or the out-of-memory killer"
+        return tr(f"last kernel message: {last[:200]}", f"kernel 最后一条消息：{last[:200]}") if last else tr(
+            "no message: os._exit, a crash in native code, or the out-of-memory killer",
+            "没有消息：可能是 os._exit、原生代码崩溃，或被 OOM killer 杀掉")

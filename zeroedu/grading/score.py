@@ -13,6 +13,7 @@ from typing import Any
 from zeroedu.grading import notebook as nbtools
 from zeroedu.grading.results import CellRun, TestResult
 from zeroedu.grading.runner import REFUSED_ENAME
+from zeroedu.i18n import tr
 
 REFUSED_MARK = "zeroedu-grade-refused "   # guard/sitecustomize.py writes refusals after it
 
@@ -42,30 +43,38 @@ def _test_name(cell: Any, grade_id: str) -> str:
     return "; ".join(names) if names else grade_id
 
 
-_RUN_IT = ": run the cell that defines it first, and fix it if it fails"  # check.describe_exception says the same
+def _run_it() -> str:   # check.describe_exception says the same
+    return tr(": run the cell that defines it first, and fix it if it fails",
+              "：请先运行定义它的单元格；如果那个单元格报错，先把它修好")
 
 
 def _plain(run: CellRun) -> str:
-    """A failed test cell's outcome in plain words."""
+    """A failed test cell's outcome in plain words (in the language being graded: i18n.speaking)."""
+    limit = run.evalue or "?"
     if run.status == "timeout":
-        return (f"timed out after {run.evalue or '?'} s and was interrupted: an infinite loop, or ranks waiting for "
-                "each other (a deadlock)")
+        return tr(f"timed out after {limit} s and was interrupted: an infinite loop, or ranks waiting for each "
+                  "other (a deadlock)",
+                  f"运行超过 {limit} 秒被中断：可能是死循环，或各 rank 互相等待（deadlock，死锁）")
     if run.status == "killed":
-        return (f"ran past {run.evalue or '?'} s and ignored the interrupt: the kernel and every process it "
-                "started were killed, and a fresh kernel ran the cells after it")
+        return tr(f"ran past {limit} s and ignored the interrupt: the kernel and every process it started were "
+                  "killed, and a fresh kernel ran the cells after it",
+                  f"运行超过 {limit} 秒且不响应中断：kernel 及其启动的所有进程都被终止，"
+                  "之后的单元格在新的 kernel 中运行")
     if run.status == "died":
-        return f"the kernel died while it ran ({run.evalue}); a fresh kernel ran the cells after it"
+        return tr(f"the kernel died while it ran ({run.evalue}); a fresh kernel ran the cells after it",
+                  f"运行时 kernel 崩溃了（{run.evalue}）；之后的单元格在新的 kernel 中运行")
     if run.status == "not run":
-        return f"not run: {run.evalue}" if run.evalue else "not run"
+        return tr(f"not run: {run.evalue}", f"没有运行：{run.evalue}") if run.evalue else tr("not run", "没有运行")
     ename, evalue = run.ename, run.evalue
     if ename in ("CheckFailed", REFUSED_ENAME):
         return evalue
     if ename == "NotImplementedError":
-        return f"not implemented yet: {evalue}" if evalue else "not implemented yet"
+        return tr(f"not implemented yet: {evalue}", f"尚未实现：{evalue}") if evalue else tr(
+            "not implemented yet", "尚未实现")
     if ename == "NameError":
-        return f"{evalue}{_RUN_IT}"
+        return f"{evalue}{_run_it()}"
     if ename == "AssertionError":
-        return evalue or "a test assertion failed"
+        return evalue or tr("a test assertion failed", "测试断言失败")
     return f"{ename}: {evalue}"
 
 
@@ -79,15 +88,19 @@ def score(nb: Any, runs: list[CellRun]) -> tuple[list[TestResult], list[str]]:
             passed = run.status in ("ok", "skipped")
             message = "" if passed else _plain(run)
             if earlier and "is not defined" in message:  # say which earlier cell left the name undefined
-                message = message.replace(_RUN_IT, "") + f" ({earlier})"
+                message = message.replace(_run_it(), "") + f" ({earlier})"
             tests.append(TestResult(gid, _test_name(cell, gid), info.points if passed else 0.0, info.points,
                                     passed, message, info.hidden))
         elif cell.cell_type == "code" and run.status not in ("ok", "skipped", "not run"):
-            what = f"answer cell '{gid}'" if info is not None and info.role == "answer" else (
-                f"given cell '{gid}'" if gid else "cell you added")
-            text = f"the {what} failed: {_plain(run)}"
+            if info is not None and info.role == "answer":
+                what = tr(f"answer cell '{gid}'", f"答案单元格 '{gid}'")
+            elif gid:
+                what = tr(f"given cell '{gid}'", f"给定的单元格 '{gid}'")
+            else:
+                what = tr("cell you added", "你添加的单元格")
+            text = tr(f"the {what} failed: {_plain(run)}", f"{what}出错：{_plain(run)}")
             if earlier and "is not defined" in text:
-                text = text.replace(_RUN_IT, "") + f" ({earlier})"
+                text = text.replace(_run_it(), "") + f" ({earlier})"
             notes.append(text)
             earlier = earlier or text
     return tests, notes
@@ -97,7 +110,9 @@ def score(nb: Any, runs: list[CellRun]) -> tuple[list[TestResult], list[str]]:
 # notebook's own code can write the same line (a secret in that process would be readable by that code too). So
 # the grader never states a refusal as its own finding: each note says where it came from. In the sandbox the
 # operating system refuses those writes whatever the log says.
-FROM_NOTEBOOK = "reported by the notebook's own process (its code can write this line too): "
+def from_notebook() -> str:
+    return tr("reported by the notebook's own process (its code can write this line too): ",
+              "由 notebook 自己的进程报告（它的代码也能写出这一行）：")
 
 
 def _refusals(private: Path) -> list[str]:
@@ -113,8 +128,9 @@ def _refusals(private: Path) -> list[str]:
             continue
         with contextlib.suppress(ValueError, KeyError, TypeError):
             r = json.loads(line[len(REFUSED_MARK):])
-            out.append(f"{FROM_NOTEBOOK}refused to {str(r['op'])[:20]} {str(r['path'])[:300]}: outside the "
-                       "notebook's working directory")
+            op, path = str(r["op"])[:20], str(r["path"])[:300]
+            out.append(from_notebook() + tr(f"refused to {op} {path}: outside the notebook's working directory",
+                                            f"拒绝 {op} {path}：它在 notebook 的工作目录之外"))
     return list(dict.fromkeys(out))[:20]
 
 

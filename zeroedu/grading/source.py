@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 from zeroedu.grading import notebook as nbtools
+from zeroedu.i18n import tr
 
 _PARSE = threading.Lock()
 
@@ -149,12 +150,15 @@ def forged_answers(nb: Any, solution: Any) -> dict[int, str]:
                 if name not in bound:
                     continue   # never defined: the tests say "not defined", with what this cell did instead
                 if kinds.get(name) != kind:
-                    why.append(f"it must define {name} with a `{kind} {name}` statement, as the template does")
+                    why.append(tr(f"it must define {name} with a `{kind} {name}` statement, as the template does",
+                                  f"它必须像模板那样用 `{kind} {name}` 语句定义 {name}"))
                 elif kind == "class":
                     missing = sorted(asked[gid][1][name] - methods[name])
                     if missing:
-                        why.append(f"class {name} must write {', '.join(missing)} in its own body (the "
-                                   "methods this exercise asks for)")
+                        listed = ", ".join(missing)
+                        why.append(tr(f"class {name} must write {listed} in its own body (the methods this "
+                                      "exercise asks for)",
+                                      f"类 {name} 必须在自己的类体里写出 {listed}（本练习要求的方法）"))
         for name, node in bindings:
             if name not in owner:
                 continue
@@ -163,11 +167,16 @@ def forged_answers(nb: Any, solution: Any) -> dict[int, str]:
             if first:
                 seen[name] = gid
             elif not any(name in w for w in why):
-                why.append(f"it binds {name} again (line {getattr(node, 'lineno', '?')}), which the answer cell "
-                           f"'{owner[name]}' defines: an answer name is defined once, by its answer cell")
+                line = getattr(node, "lineno", "?")
+                why.append(tr(f"it binds {name} again (line {line}), which the answer cell '{owner[name]}' defines: "
+                              "an answer name is defined once, by its answer cell",
+                              f"它又绑定了一次 {name}（第 {line} 行），而 {name} 由答案单元格 '{owner[name]}' 定义："
+                              "答案里的名字只能由它的答案单元格定义一次"))
         if why:
-            what = f"answer cell '{gid}'" if gid in asked else "cell you added"
-            problems[i] = f"zeroedu grade refused to run this {what}: " + "; ".join(why) + "."
+            what = tr(f"answer cell '{gid}'", f"答案单元格 '{gid}'") if gid in asked else tr("cell you added",
+                                                                                           "你添加的单元格")
+            problems[i] = tr(f"zeroedu grade refused to run this {what}: ", f"zeroedu grade 拒绝运行这个{what}：") \
+                + tr("; ", "；").join(why) + tr(".", "。")
     return problems
 
 
