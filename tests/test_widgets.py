@@ -132,3 +132,23 @@ def test_calculator_starts_at_8_ranks_with_activations_and_a_gpu():
     assert f"{33 * 34 * 4096 * 4352:,} B" in calc.text
     calc.controls["seq_len"].value = 0                     # no sequence: no activation lines, no activation bars
     assert "activations" not in calc.text and all("activations" not in b for b in calc.chart_data.values())
+
+
+def test_the_calculators_text_speaks_the_notebooks_language(monkeypatch):
+    """Issue 28: the memory calculator's printed table (lesson 01 prints calc.text) follows zeroedu.lang: the same
+    numbers on the same lines, its prose in 中文 under zh, in English otherwise."""
+    import re
+
+    import zeroedu
+    from zeroedu.i18n import ENV
+
+    monkeypatch.setenv(ENV, "en")
+    kw = dict(psi=7e9, world_size=8, stage=2, offload_optimizer="cpu", seq_len=4096, gpu_gb=80)
+    english = widgets.calculator_text(**kw)
+    zeroedu.lang("zh")
+    chinese = widgets.calculator_text(**kw)
+    numbers = re.compile(r"(?<![A-Za-z_\d.,])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+    assert [numbers.findall(line) for line in english.splitlines()] == \
+        [numbers.findall(line) for line in chinese.splitlines()]
+    assert "model states per rank (1 GB = 1e9 bytes):" in english and not re.search(r"[\u4e00-\u9fff]", english)
+    assert "每个 rank 的模型状态（1 GB = 1e9 字节）：" in chinese and "单卡 80 GB：放得下（占 20%" in chinese

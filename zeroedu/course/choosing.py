@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from zeroedu import theory
 from zeroedu.course.basics import min_time
+from zeroedu.i18n import tr
 
 # -- the choosing notebook's check of the planner ---------------------------------------------------------------
 RING_SWEEP = tuple(16 * 1024 * 4**k for k in range(6))       # 16 KiB ... 16 MiB, as notebook 02 sweeps
@@ -56,10 +57,14 @@ def calibrate_link(samples: Iterable[tuple[str, int, int, float]], name: str = "
     beta = sum(b * b for b in per_s) / sum(per_s)                  # argmin of sum (sent / (beta t) - 1)^2
     link = planner.Link(name, 0.0, beta, f"alpha set to 0, beta fitted alone, to {len(rows)} collectives from "
                                          f"{source}")
-    note = (f"These timings do not grow with the message size (the machine was busy: each collective took about "
-            f"as long as the scheduler let it), so no line with a positive latency and bandwidth fits them. "
-            f"The fit falls back to **alpha = 0** and the least-squares bandwidth, **beta = "
-            f"{beta / 1e9:.2f} GB/s**: read this fit as this run's noise, not as this machine's network.")
+    gbps = f"{beta / 1e9:.2f}"
+    note = tr("These timings do not grow with the message size (the machine was busy: each collective took about "
+              "as long as the scheduler let it), so no line with a positive latency and bandwidth fits them. "
+              f"The fit falls back to **alpha = 0** and the least-squares bandwidth, **beta = {gbps} GB/s**: read "
+              "this fit as this run's noise, not as this machine's network.",
+              "这些耗时不随消息大小增长（机器很忙：每次集合通信花多久取决于调度器），所以找不到延迟和带宽都为正的"
+              f"直线来拟合。拟合退回到 **alpha = 0** 和最小二乘带宽 **beta = {gbps} GB/s**：把它当作这次运行的噪声，"
+              "而不是这台机器的网络。")
     return link, note
 
 

@@ -97,11 +97,13 @@ def calculator_text(psi: float, world_size: int, stage: int, precision: str = "b
                                                         offload_param, grad_accum, optimizer=optimizer)
                  if offload_optimizer != "none" or offload_param != "none" else None)
     except ValueError as e:
-        return f"error: {e}"
+        return tr(f"error: {e}", f"错误：{e}")
     k = theory.optimizer_K(precision, optimizer)
-    lines = [f"psi = {psi:,} parameters, N = {world_size}, stage {stage}, {precision}, {optimizer} "
-             f"(K = {k} bytes/param), gradient accumulation {grad_accum}",
-             "", "model states per rank (1 GB = 1e9 bytes):"]
+    lines = [tr(f"psi = {psi:,} parameters, N = {world_size}, stage {stage}, {precision}, {optimizer} "
+                f"(K = {k} bytes/param), gradient accumulation {grad_accum}",
+                f"psi = {psi:,} 个参数，N = {world_size}，stage {stage}，{precision}，{optimizer}"
+                f"（K = {k} 字节/参数），梯度累积 {grad_accum}"),
+             "", tr("model states per rank (1 GB = 1e9 bytes):", "每个 rank 的模型状态（1 GB = 1e9 字节）：")]
     for tier, cats in tiers.items():
         if cats["total"] or tier == "device":
             for cat in (*theory.MODEL_STATES, "total"):
@@ -109,25 +111,35 @@ def calculator_text(psi: float, world_size: int, stage: int, precision: str = "b
     if offload_optimizer == "none" and offload_param == "none":
         paper = theory.model_state_bytes_paper(psi, world_size, stage, K=k) if precision != "fp32" else None
         if paper is not None:
-            lines.append(f"  paper formula (unpadded, 2+2+K bytes/param):{_b(paper)}")
+            label = tr("  paper formula (unpadded, 2+2+K bytes/param):",
+                       "  论文公式（不含 padding，2+2+K 字节/参数）：")
+            lines.append(label + _b(paper))
     if seq_len:
         h, layers, heads = gpt_shape(psi)
         act = activation_per_rank(psi, seq_len, micro_batch, recompute)
         both = tiers["device"]["total"] + act
-        lines += ["", f"activations per rank (a GPT-style shape: h = {h}, L = {layers}, {heads} heads; sequence "
-                      f"{seq_len}, micro-batch {micro_batch}, recompute {recompute}, flash attention):",
-                  f"  activations             {_b(act)}", f"  model states + activations{_b(both)}"]
+        lines += ["", tr(f"activations per rank (a GPT-style shape: h = {h}, L = {layers}, {heads} heads; sequence "
+                         f"{seq_len}, micro-batch {micro_batch}, recompute {recompute}, flash attention):",
+                         f"每个 rank 的激活值（GPT 式形状：h = {h}，L = {layers}，{heads} 个头；序列长度 {seq_len}，"
+                         f"micro-batch {micro_batch}，重计算 {recompute}，flash attention）："),
+                  tr("  activations             ", "  激活值                  ") + _b(act),
+                  tr("  model states + activations", "  模型状态 + 激活值         ") + _b(both)]
         if gpu_gb:
-            fits = "fits" if both <= gpu_gb * GB else "does NOT fit"
-            lines.append(f"  on one GPU of {gpu_gb:g} GB: {fits} ({both / (gpu_gb * GB):.0%} of it, before buffers "
-                         "and the allocator's fragmentation)")
-    lines += ["", "bytes each rank sends per step (ring collectives, compute dtype):"]
+            share = f"{both / (gpu_gb * GB):.0%}"
+            lines.append(tr(f"  on one GPU of {gpu_gb:g} GB: {'fits' if both <= gpu_gb * GB else 'does NOT fit'} "
+                            f"({share} of it, before buffers and the allocator's fragmentation)",
+                            f"  单卡 {gpu_gb:g} GB：{'放得下' if both <= gpu_gb * GB else '放不下'}"
+                            f"（占 {share}，未计缓冲区和分配器的碎片）"))
+    lines += ["", tr("bytes each rank sends per step (ring collectives, compute dtype):",
+                     "每个 rank 每步发送的字节数（ring 集合通信，计算 dtype）：")]
     for key, v in comm.items():
         lines.append(f"  {key:<24}{_b(v)}")
     units, p = theory.comm_volume_paper(stage), theory.param_bytes(precision)
-    lines.append(f"  paper: {units} psi x {p} bytes = {units * psi * p / GB:.3f} GB (large-N limit of the ring)")
+    total = f"{units * psi * p / GB:.3f}"
+    lines.append(tr(f"  paper: {units} psi x {p} bytes = {total} GB (large-N limit of the ring)",
+                    f"  论文：{units} psi x {p} 字节 = {total} GB（ring 在 N 很大时的极限）"))
     if moved:
-        lines += ["", "offload traffic per step:"]
+        lines += ["", tr("offload traffic per step:", "每步 offload 的传输量：")]
         lines += [f"  {key:<28}{_b(v)}" for key, v in moved.items()]
     return "\n".join(lines)
 
