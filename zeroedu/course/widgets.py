@@ -196,16 +196,22 @@ def calculator_summary(psi: float, world_size: int, stage: int, precision: str =
                                    optimizer=optimizer)["device"]["total"]
         sent = theory.comm_bytes_per_step(psi, world_size, stage, precision, int(grad_accum))["total"]
     except ValueError as e:
-        return f"memory calculator: error: {e}"
-    off = "" if offload_optimizer == offload_param == "none" else \
-        f", offload optimizer {offload_optimizer} / params {offload_param}"
-    line = (f"memory calculator: {psi / 1e9:g}B parameters, N = {world_size}, stage {stage}, {precision}{off}: "
-            f"{dev / GB:.3f} GB of model states per rank on the device, {sent / GB:.3f} GB sent per step")
+        return tr(f"memory calculator: error: {e}", f"显存计算器：错误：{e}")
+    off = "" if offload_optimizer == offload_param == "none" else tr(
+        f", offload optimizer {offload_optimizer} / params {offload_param}",
+        f"，offload 优化器 {offload_optimizer} / 参数 {offload_param}")
+    size, dev_gb, sent_gb = f"{psi / 1e9:g}B", f"{dev / GB:.3f}", f"{sent / GB:.3f}"
+    line = tr(f"memory calculator: {size} parameters, N = {world_size}, stage {stage}, {precision}{off}: "
+              f"{dev_gb} GB of model states per rank on the device, {sent_gb} GB sent per step",
+              f"显存计算器：{size} 参数，N = {world_size}，stage {stage}，{precision}{off}：每个 rank 设备上的"
+              f"模型状态 {dev_gb} GB，每步发送 {sent_gb} GB")
     if seq_len:
         both = dev + activation_per_rank(psi, seq_len, micro_batch, recompute)
-        line += f"; with activations {both / GB:.3f} GB"
+        line += tr(f"; with activations {both / GB:.3f} GB", f"；加上激活值 {both / GB:.3f} GB")
         if gpu_gb:
-            line += f", {'fits' if both <= gpu_gb * GB else 'does NOT fit'} in {gpu_gb:g} GB"
+            fits = both <= gpu_gb * GB
+            line += tr(f", {'fits' if fits else 'does NOT fit'} in {gpu_gb:g} GB",
+                       f"，{gpu_gb:g} GB {'放得下' if fits else '放不下'}")
     return line
 
 
