@@ -243,3 +243,26 @@ def test_activations_count_in_fits_and_print_as_a_row():
     assert f"{act / GB:.1f}" in row and f"{act_rc / GB:.1f}" in row and "recompute: full" in row
     with pytest.raises(ValueError, match="recompute"):
         planner.plan("7B", recompute="selective")
+
+
+@pytest.mark.parametrize("kw", [dict(model="7B", gpus=8), dict(model="13B", gpus=16, gpus_per_node=8, gpu_memory_gb=40),
+                                dict(model="70B", gpus=2, gpu_memory_gb=24)], ids=["fits", "two-nodes", "nothing-fits"])
+def test_the_plan_speaks_the_notebooks_language(kw, monkeypatch):
+    """Issue 28: lesson 13 prints format_plan; under zeroedu.lang("zh") its legend, recommendation, reason and
+    assumptions are Chinese, and every line says the same numbers as the English plan (the table is the same)."""
+    import re
+
+    import zeroedu
+    from zeroedu.i18n import ENV
+
+    monkeypatch.setenv(ENV, "en")
+    english = planner.format_plan(planner.plan(**kw))
+    zeroedu.lang("zh")
+    chinese = planner.format_plan(planner.plan(**kw))
+    numbers = re.compile(r"(?<![A-Za-z_\d.,])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[-+]?\d+)?")
+    assert [sorted(numbers.findall(line)) for line in english.splitlines()] == \
+        [sorted(numbers.findall(line)) for line in chinese.splitlines()]
+    cjk = re.compile(r"[\u4e00-\u9fff]")
+    assert not cjk.search(english)
+    reason = chinese.split("\n\n")[2].splitlines()[1]   # the line after 推荐：
+    assert cjk.search(reason) and ("是第一个放得下的配置" in reason or reason.startswith("在每卡可用的"))

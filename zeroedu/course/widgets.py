@@ -220,9 +220,11 @@ def planner_summary(**kwargs) -> str:
     try:
         p = planner.plan(**kwargs)
     except ValueError as e:
-        return f"planner: error: {e}"
-    rec = p.recommendation.label if p.recommendation else "none fits"
-    return f"planner: {kwargs.get('model')} on {kwargs.get('gpus')} GPUs -> recommendation: {rec}"
+        return tr(f"planner: error: {e}", f"planner：错误：{e}")
+    rec = p.recommendation.label if p.recommendation else tr("none fits", "都放不下")
+    model, gpus = kwargs.get("model"), kwargs.get("gpus")
+    return tr(f"planner: {model} on {gpus} GPUs -> recommendation: {rec}",
+              f"planner：{model}，{gpus} 张卡 -> 推荐：{rec}")
 
 
 def _png(per_bar: dict[str, dict[str, int]], title: str, gpu_gb: float = 0.0) -> bytes:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from zeroedu import theory
 from zeroedu.fmt import fmt_bytes
+from zeroedu.i18n import tr
 from zeroedu.theory import links
 
 GB = theory.GB
@@ -276,28 +277,45 @@ CONFIGS = [  # label, stage, offload_optimizer, offload_param, zeropp
 
 def _assumptions(spec: ModelSpec, headroom: float, bucket_numel: int, prefetch_numel: int,
                  flash: bool) -> list[str]:
-    act = ("activations: Korthikanti et al. 2022, 34sbh + 5as^2b bytes per layer (16-bit), "
-           + ("without the 5as^2b term (FlashAttention), " if flash else "")
-           + "plus 4sbV of fp32 logits; full recomputation keeps 2sbh per layer plus one layer")
+    act = tr("activations: Korthikanti et al. 2022, 34sbh + 5as^2b bytes per layer (16-bit), "
+             + ("without the 5as^2b term (FlashAttention), " if flash else "")
+             + "plus 4sbV of fp32 logits; full recomputation keeps 2sbh per layer plus one layer",
+             "激活值：Korthikanti et al. 2022，每层 34sbh + 5as^2b 字节（16 位）"
+             + ("，去掉 5as^2b 项（FlashAttention）" if flash else "")
+             + "，外加 4sbV 的 fp32 logits；完全重计算时每层保留 2sbh，再加一层")
     if not spec.has_architecture:
-        act = "activations: NOT estimated (no layers/hidden/heads given): totals are model states and buffers"
+        act = tr("activations: NOT estimated (no layers/hidden/heads given): totals are model states and buffers",
+                 "激活值：没有估算（没给 layers/hidden/heads）：总数只含模型状态和缓冲区")
     return [
-        "GB = 1e9 bytes. Bytes are per GPU. Model states: zeroedu.theory (Adam: fp32 master + 2 fp32 moments).",
+        tr("GB = 1e9 bytes. Bytes are per GPU. Model states: zeroedu.theory (Adam: fp32 master + 2 fp32 moments).",
+           "GB = 1e9 字节。字节数都是每卡。模型状态：zeroedu.theory（Adam：fp32 主权重 + 2 个 fp32 动量）。"),
         act,
-        f"fits: total <= (1 - {headroom:g}) x GPU memory; the headroom covers the CUDA context, the allocator's "
-        f"fragmentation and temporaries not listed",
-        f"buckets: stage 2 holds two reduce buckets of min(psi, {bucket_numel:.3g}) elements, stage 3 two of "
-        f"that or of the largest unit if larger; stages 0-1 reduce in the gradient buffer itself (zeroedu's design)",
-        f"gathered parameters (stage 3): the largest unit (max of a 4h x h MLP matrix and the V x h embedding) "
-        f"plus a prefetch of {prefetch_numel:.3g} elements, in the compute dtype",
-        "comm time: alpha-beta per ring collective, one collective per bucket (stages 0-2); at stage 3 one "
-        "all-gather per unit in forward and in backward (4 linear layers per block + embedding) and one "
-        "reduce-scatter per bucket; across nodes a ring runs at min(intra, inter) where "
-        "inter is one node's total bandwidth to the others (what one rank sends also leaves its node)",
-        "ZeRO++: qwZ int8 and qgZ int4 with fp32 scales per 2048 values, hpZ secondary partition per node "
-        "(counted under parameters); quantization changes numerics: check convergence",
-        "offload: transfer time over one PCIe link per GPU and one NVMe drive per GPU, not overlapped; the "
-        "CPU optimizer's own step time is not modeled",
+        tr(f"fits: total <= (1 - {headroom:g}) x GPU memory; the headroom covers the CUDA context, the allocator's "
+           "fragmentation and temporaries not listed",
+           f"fits：total <= (1 - {headroom:g}) x 显存；余量留给 CUDA context、分配器的碎片和没有列出的临时张量"),
+        tr(f"buckets: stage 2 holds two reduce buckets of min(psi, {bucket_numel:.3g}) elements, stage 3 two of "
+           "that or of the largest unit if larger; stages 0-1 reduce in the gradient buffer itself (zeroedu's design)",
+           f"桶：stage 2 保留两个 min(psi, {bucket_numel:.3g}) 个元素的归约桶，stage 3 保留两个这么大的桶（最大的 "
+           "unit 更大时按它算）；stage 0-1 直接在梯度缓冲区里归约（zeroedu 的设计）"),
+        tr("gathered parameters (stage 3): the largest unit (max of a 4h x h MLP matrix and the V x h embedding) "
+           f"plus a prefetch of {prefetch_numel:.3g} elements, in the compute dtype",
+           "gather 出来的参数（stage 3）：最大的 unit（4h x h 的 MLP 矩阵和 V x h 的 embedding 取大者）"
+           f"加上 {prefetch_numel:.3g} 个元素的预取，按计算 dtype 算"),
+        tr("comm time: alpha-beta per ring collective, one collective per bucket (stages 0-2); at stage 3 one "
+           "all-gather per unit in forward and in backward (4 linear layers per block + embedding) and one "
+           "reduce-scatter per bucket; across nodes a ring runs at min(intra, inter) where "
+           "inter is one node's total bandwidth to the others (what one rank sends also leaves its node)",
+           "通信时间：每次 ring 集合通信用 alpha-beta 模型，每个桶一次集合通信（stage 0-2）；stage 3 在前向和反向"
+           "对每个 unit 各做一次 all-gather（每个 block 4 个线性层 + embedding），每个桶一次 reduce-scatter；"
+           "跨节点时 ring 的速度是 min(intra, inter)，inter 指一个节点到其他节点的总带宽"
+           "（一个 rank 发出的数据也要离开它的节点）"),
+        tr("ZeRO++: qwZ int8 and qgZ int4 with fp32 scales per 2048 values, hpZ secondary partition per node "
+           "(counted under parameters); quantization changes numerics: check convergence",
+           "ZeRO++：qwZ 用 int8、qgZ 用 int4，每 2048 个值一个 fp32 scale；hpZ 每个节点一份二级分片"
+           "（计入参数）；量化会改变数值：要检查收敛"),
+        tr("offload: transfer time over one PCIe link per GPU and one NVMe drive per GPU, not overlapped; the "
+           "CPU optimizer's own step time is not modeled",
+           "offload：每卡一条 PCIe 链路、每卡一块 NVMe 盘的传输时间，不与计算重叠；CPU 优化器本身的 step 时间没有建模"),
     ]
 
 
@@ -445,8 +463,11 @@ def _row(config: tuple, w: _Workload, c: _Cluster, usable: int, recompute: str, 
                                      precision=w.precision, grad_accum=w.grad_accum)
         dev["parameters"] += z["hpz_secondary_bytes"]
         comm, cross, seconds = int(round(float(z["total"]))), float(z["cross_node"]), _zeropp_seconds(z, w, c)
-        note = (f"hpZ secondary copy {z['hpz_secondary_bytes'] / GB:.2f} GB counted under parameters"
-                if c.nodes > 1 else "one node: qwZ and qgZ only (hpZ has no cross-node gather to remove)")
+        secondary = f"{z['hpz_secondary_bytes'] / GB:.2f}"
+        note = (tr(f"hpZ secondary copy {secondary} GB counted under parameters",
+                   f"hpZ 的二级副本 {secondary} GB 计入参数") if c.nodes > 1 else
+                tr("one node: qwZ and qgZ only (hpZ has no cross-node gather to remove)",
+                   "单节点：只有 qwZ 和 qgZ（hpZ 没有跨节点的 gather 可省）"))
     else:
         comm = int(_comm_sent(stage, w, c)["total"])
         cross = comm / c.per_node if c.nodes > 1 else 0.0
@@ -522,7 +543,8 @@ def _recommend(rows: list[Row], usable: int, gpu_memory_gb: float, headroom: flo
     cpu = [r for r in rows if r.offload_optimizer == "cpu"]
     nvme = [r for r in rows if r.offload_optimizer == "nvme"]
     tiers = [(exact, False), (exact, True), (cpu, False), (cpu, True), (nvme, False), (nvme, True)]
-    budget = f"{_gb(usable)} usable per GPU ({gpu_memory_gb:g} GB less {headroom:.0%} headroom)"
+    budget = tr(f"{_gb(usable)} usable per GPU ({gpu_memory_gb:g} GB less {headroom:.0%} headroom)",
+                f"每卡可用的 {_gb(usable)}（{gpu_memory_gb:g} GB 减去 {headroom:.0%} 的余量）")
     for group, recompute in tiers:
         if recompute and policy == "none":
             continue
@@ -531,34 +553,48 @@ def _recommend(rows: list[Row], usable: int, gpu_memory_gb: float, headroom: flo
             continue
         best = min(ok, key=lambda r: (round(r.comm_seconds, 12), r.stage, r.offload_param != "none"))
         need = best.total_recompute if recompute else best.total
-        words = [f"{best.label} is the first configuration that fits: {_gb(need)} per GPU "
-                 f"{'with full activation recomputation ' if recompute else ''}within {budget}."]
+        words = [tr(f"{best.label} is the first configuration that fits: {_gb(need)} per GPU "
+                    f"{'with full activation recomputation ' if recompute else ''}within {budget}.",
+                    f"{best.label} 是第一个放得下的配置：每卡 {_gb(need)}"
+                    f"{'（完全激活重计算）' if recompute else ''}，在{budget}之内。")]
         smaller = [r for r in exact if r.stage < best.stage]
         if smaller:
-            words.append("Smaller stages need " + ", ".join(
-                f"{r.label} {_gb(r.total_recompute if recompute else r.total)}" for r in smaller) + ".")
+            listed = ", ".join(f"{r.label} {_gb(r.total_recompute if recompute else r.total)}" for r in smaller)
+            words.append(tr(f"Smaller stages need {listed}.", f"更低的 stage 需要：{listed}。"))
         if recompute:
-            words.append(f"Without recomputation it needs {_gb(best.total)}; recomputation costs about one "
-                         f"more forward pass per step.")
-        words.append(f"It sends {_gb(best.comm_bytes)} per GPU per step, about {best.comm_seconds:.3g} s"
-                     + (f", plus {best.offload_seconds:.3g} s of host/NVMe transfers and the CPU optimizer step"
-                        if best.offload_optimizer != "none" else "") + ".")
+            words.append(tr(f"Without recomputation it needs {_gb(best.total)}; recomputation costs about one "
+                            "more forward pass per step.",
+                            f"不做重计算需要 {_gb(best.total)}；重计算每步大约多花一次前向。"))
+        offl = f"{best.offload_seconds:.3g}"
+        words.append(tr(f"It sends {_gb(best.comm_bytes)} per GPU per step, about {best.comm_seconds:.3g} s"
+                        + (f", plus {offl} s of host/NVMe transfers and the CPU optimizer step"
+                           if best.offload_optimizer != "none" else "") + ".",
+                        f"它每卡每步发送 {_gb(best.comm_bytes)}，约 {best.comm_seconds:.3g} s"
+                        + (f"，另加 {offl} s 的 host/NVMe 传输和 CPU 优化器 step"
+                           if best.offload_optimizer != "none" else "") + "。"))
         zpp = next(r for r in rows if r.zeropp)
         if nodes > 1 and best.stage == 3 and best.offload_optimizer == "none" and zpp.comm_seconds < best.comm_seconds \
                 and (zpp.fits_recompute if recompute else zpp.fits):
-            words.append(f"Stage 3 + ZeRO++ would cut that to about {zpp.comm_seconds:.3g} s (quantized weights "
-                         f"and gradients: check convergence).")
+            words.append(tr(f"Stage 3 + ZeRO++ would cut that to about {zpp.comm_seconds:.3g} s (quantized weights "
+                            "and gradients: check convergence).",
+                            f"stage 3 + ZeRO++ 能把它降到约 {zpp.comm_seconds:.3g} s"
+                            "（权重和梯度被量化：要检查收敛）。"))
         if not spec.has_architecture:
-            words.append("Activations were not estimated: give --layers, --hidden and --heads.")
-        return best, " ".join(words)
+            words.append(tr("Activations were not estimated: give --layers, --hidden and --heads.",
+                            "没有估算激活值：请给出 --layers、--hidden 和 --heads。"))
+        return best, tr(" ", "").join(words)
     last = next(r for r in rows if r.offload_optimizer == "nvme")
     need, act = (last.total, last.activations) if policy == "none" else (last.total_recompute,
                                                                          last.activations_recompute)
-    how = "without recomputation" if policy == "none" else "with full recomputation"
-    return None, (f"Nothing fits in {budget}: even {last.label} needs {_gb(need)} per GPU {how} "
-                  f"({_gb(act)} of it activations). Use more GPUs, a smaller micro-batch or sequence, "
-                  + ("allow recomputation, " if policy == "none" else "")
-                  + "or add tensor/pipeline (sequence/context) parallelism.")
+    how = tr("without recomputation", "不做重计算") if policy == "none" else tr("with full recomputation", "完全重计算")
+    return None, tr(f"Nothing fits in {budget}: even {last.label} needs {_gb(need)} per GPU {how} "
+                    f"({_gb(act)} of it activations). Use more GPUs, a smaller micro-batch or sequence, "
+                    + ("allow recomputation, " if policy == "none" else "")
+                    + "or add tensor/pipeline (sequence/context) parallelism.",
+                    f"在{budget}之内什么都放不下：即使 {last.label}，{how}时每卡也需要 {_gb(need)}"
+                    f"（其中激活值 {_gb(act)}）。请用更多的卡、更小的 micro-batch 或更短的序列，"
+                    + ("允许重计算，" if policy == "none" else "")
+                    + "或者加上张量/流水线（序列/上下文）并行。")
 
 
 # -- output -------------------------------------------------------------------------------------------------
@@ -570,18 +606,29 @@ COLUMNS = [("config", 28), ("params", 7), ("grads", 7), ("optim", 7), ("bufs", 6
 def format_plan(p: Plan) -> str:
     """The plan as a fixed-width table (GB = 1e9 bytes, per GPU) with the recommendation and its assumptions."""
     m = p.model
-    arch = (f"; {m.layers} layers, hidden {m.hidden}, {m.heads} heads" + (f", vocab {m.vocab}" if m.vocab else "")
+    arch = (tr(f"; {m.layers} layers, hidden {m.hidden}, {m.heads} heads", f"；{m.layers} 层，hidden {m.hidden}，"
+               f"{m.heads} 个头") + (tr(f", vocab {m.vocab}", f"，vocab {m.vocab}") if m.vocab else "")
             if m.has_architecture else "")
-    nodes = f"{p.nodes} node{'s' if p.nodes > 1 else ''} of {min(p.gpus, p.gpus_per_node)}"
+    per = min(p.gpus, p.gpus_per_node)
+    nodes = tr(f"{p.nodes} node{'s' if p.nodes > 1 else ''} of {per}", f"{p.nodes} 个节点，每节点 {per} 张")
+    source = f" [{m.source}]" if m.source else ""
     lines = [
-        f"zeroedu plan: {m.name} ({m.psi:.3g} parameters{arch}){f' [{m.source}]' if m.source else ''}",
-        f"{p.gpus} GPUs ({nodes}), {p.gpu_memory_gb:g} GB each; {p.precision}, micro-batch {p.micro_batch} x "
-        f"{p.seq_len} tokens, gradient accumulation {p.grad_accum}"
-        + (f"; {p.trainable:.3g} trainable parameters, the rest frozen" if p.trainable else ""),
-        "GB per GPU (1 GB = 1e9 bytes); model = params + grads + optim (master weights and optimizer state);",
-        "bufs = buckets + gathered parameters; act/-rc = activations without/with full recomputation;",
-        "host = model states offloaded to host and NVMe; comm = GB each GPU sends per step;",
-        "comm s / offl s = seconds per step on the network / moving offloaded states (PCIe, NVMe)",
+        tr(f"zeroedu plan: {m.name} ({m.psi:.3g} parameters{arch}){source}",
+           f"zeroedu plan：{m.name}（{m.psi:.3g} 个参数{arch}）{source}"),
+        tr(f"{p.gpus} GPUs ({nodes}), {p.gpu_memory_gb:g} GB each; {p.precision}, micro-batch {p.micro_batch} x "
+           f"{p.seq_len} tokens, gradient accumulation {p.grad_accum}"
+           + (f"; {p.trainable:.3g} trainable parameters, the rest frozen" if p.trainable else ""),
+           f"{p.gpus} 张卡（{nodes}），每张 {p.gpu_memory_gb:g} GB；{p.precision}，micro-batch {p.micro_batch} x "
+           f"{p.seq_len} 个 token，梯度累积 {p.grad_accum}"
+           + (f"；{p.trainable:.3g} 个可训练参数，其余冻结" if p.trainable else "")),
+        tr("GB per GPU (1 GB = 1e9 bytes); model = params + grads + optim (master weights and optimizer state);",
+           "每卡 GB 数（1 GB = 1e9 字节）；model = params + grads + optim（fp32 主权重和优化器状态）；"),
+        tr("bufs = buckets + gathered parameters; act/-rc = activations without/with full recomputation;",
+           "bufs = 桶 + gather 出来的参数；act/-rc = 不做/完全做激活重计算时的激活值；"),
+        tr("host = model states offloaded to host and NVMe; comm = GB each GPU sends per step;",
+           "host = offload 到 host 和 NVMe 的模型状态；comm = 每卡每步发送的 GB 数；"),
+        tr("comm s / offl s = seconds per step on the network / moving offloaded states (PCIe, NVMe)",
+           "comm s / offl s = 每步花在网络上 / 搬运 offload 状态（PCIe、NVMe）上的秒数"),
         "",
     ]
     lines.append(" ".join(name.ljust(w) if i == 0 else name.rjust(w) for i, (name, w) in enumerate(COLUMNS)))
@@ -597,15 +644,20 @@ def format_plan(p: Plan) -> str:
                   f"{r.comm_bytes / GB:7.1f}", f"{r.comm_seconds:8.3g}",
                   f"{r.offload_seconds:8.3g}" if r.offload_optimizer != "none" else " " * 7 + "-"]
         lines.append(" ".join(cells))
-    r0 = p.rows[0]   # activations are the same in every configuration: their own row, in the act columns
+    # activations are the same in every configuration: their own row, in the act columns
+    r0, flash = p.rows[0], p.flash_attention
     lines.append("activations".ljust(COLUMNS[0][1]) + " " * (sum(w + 1 for _, w in COLUMNS[1:6]))
-                 + f"{r0.activations / GB:7.1f} {r0.activations_recompute / GB:7.1f}   (per GPU, "
-                 f"{p.micro_batch} x {p.seq_len} tokens{', fused attention' if p.flash_attention else ''}; "
-                 f"recompute: {p.recompute})")
-    lines += ["", "Recommendation: " + (p.recommendation.label if p.recommendation else "none"), p.reason, ""]
-    lines += ["Links (alpha-beta model):", f"- intra-node {p.intra.describe()}", f"- inter-node {p.inter.describe()}",
-              f"- host {p.host_link.describe()}", f"- nvme {p.nvme_link.describe()}", ""]
-    lines += ["Assumptions:", p.assumptions]
+                 + f"{r0.activations / GB:7.1f} {r0.activations_recompute / GB:7.1f}   "
+                 + tr(f"(per GPU, {p.micro_batch} x {p.seq_len} tokens{', fused attention' if flash else ''}; "
+                      f"recompute: {p.recompute})",
+                      f"（每卡，{p.micro_batch} x {p.seq_len} 个 token{'，fused attention' if flash else ''}；"
+                      f"重计算：{p.recompute}）"))
+    pick = p.recommendation.label if p.recommendation else tr("none", "无")
+    lines += ["", tr(f"Recommendation: {pick}", f"推荐：{pick}"), p.reason, ""]
+    lines += [tr("Links (alpha-beta model):", "链路（alpha-beta 模型）："), f"- intra-node {p.intra.describe()}",
+              f"- inter-node {p.inter.describe()}", f"- host {p.host_link.describe()}",
+              f"- nvme {p.nvme_link.describe()}", ""]
+    lines += [tr("Assumptions:", "假设："), p.assumptions]
     notes = [f"- {r.label}: {r.note}" for r in p.rows if r.note]
     return "\n".join(lines + notes)
 
