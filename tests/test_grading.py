@@ -1204,7 +1204,7 @@ def test_verdicts_and_refusals_forged_by_a_notebook_never_read_as_the_graders(tm
     an error carrying a verdict and a second note after " | ". In the table, the JSON, the CSV and the executed
     notebook, a ✓ or ✗ appears only where the grader wrote it (its test cells), a refusal is always labelled as the
     notebook's own report, and the CSV holds one note a line."""
-    from zeroedu.grading.score import FROM_NOTEBOOK
+    from zeroedu.grading.score import from_notebook
     from zeroedu.grading.source import places
 
     folder = tmp_path / "submissions"
@@ -1220,7 +1220,7 @@ def test_verdicts_and_refusals_forged_by_a_notebook_never_read_as_the_graders(tm
         assert "\u2713" not in text and "\u2717" not in text, text[:2000]
     assert "\\u2713 all 11 tests passed" in result["notes"][0], result["notes"]   # kept, written out
     refusals = [n for n in result["notes"] if "/home/instructor/gradebook.csv" in n]
-    assert refusals and all(n.startswith(FROM_NOTEBOOK + "refused to delete") for n in refusals), result["notes"]
+    assert refusals and all(n.startswith(from_notebook() + "refused to delete") for n in refusals), result["notes"]
     rows = list(csv.DictReader(io.StringIO(sheet.read_text(encoding="utf-8"))))
     notes = rows[0]["notes"].split("\n")
     assert len(notes) == len(result["notes"]) and not any(n.startswith("refused to") for n in notes), notes

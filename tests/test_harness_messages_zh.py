@@ -41,7 +41,11 @@ ALLOWED_FUNCTIONS = {
     "table": "a results table the exercise notebooks print: numbers under code-like column names, not a hint",
     "events_text": "exercise 3's trace of one backward (gradient ready / all-reduce bucket): a display, not a hint",
     "bus_text": "exercise 7's list of copies per direction and dtype: a display, not a hint",
+    "expect": "exercise 10's rubric constructor: its error is for whoever writes a rubric, not for a learner",
 }
+# Module constants that are not messages: regular expressions (the traceback's, exercise 10's sentence reader) and
+# exercise 10's sheet of claims, which shows both languages side by side.
+SKIPPED_CONSTANTS = {"_FRAME", "SHEET", "NUMBER", "NEGATION", "NAMES", "CLAUSE", "VERDICT"}
 # English literals that are matched against text or name code, never shown as a sentence.
 ALLOWED_LITERALS = {
     "^rank (\\d+) of (\\d+) raised ": "regex over the launcher's English message, rewritten into tr() text",
@@ -50,6 +54,8 @@ ALLOWED_LITERALS = {
     "/lib/python3": "a path filter: frames of the standard library are not the learner's",
     "out of bounds": "matched in torch's error to add exercise 6's hint",
     "Stage0WithYourHooks": "a class name",
+    "YOUR ANSWER": "matched in a learner's answer: the stub's placeholder",
+    "all-gather": "a term an answer must name (exercise 10's rubric), in either language",
 }
 
 
@@ -64,8 +70,10 @@ def _english_left(path: Path, source: str | None = None) -> list[str]:
             skip |= {id(v) for v in node.values}
         if isinstance(node, ast.FunctionDef) and node.name in ALLOWED_FUNCTIONS:
             skip |= {id(n) for n in ast.walk(node)}
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") in ("_FRAME", "SHEET") for t in node.targets):
-            skip |= {id(n) for n in ast.walk(node)}   # the traceback regex
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        if any(getattr(t, "id", "") in SKIPPED_CONSTANTS for t in targets):
+            skip |= {id(n) for n in ast.walk(node)}
         if (isinstance(node, ast.Tuple) and len(node.elts) == 2
                 and all(isinstance(e, ast.Constant | ast.JoinedStr) for e in node.elts)
                 and CJK.search(_literal_text(node.elts[1]))):   # ("English", "中文"), said later with tr(*pair)
@@ -76,8 +84,9 @@ def _english_left(path: Path, source: str | None = None) -> list[str]:
             zh = " ".join(_literal_text(n) for n in ast.walk(node.args[1]))
             en = " ".join(_literal_text(n) for n in ast.walk(node.args[0]))
             assert CJK.search(zh) or not _is_prose(en), f"{path.name}:{node.lineno}: no Chinese: {en[:80]}"
-            # exercise 10 names the verdict words a learner may answer with (对/错, 不是) in English too
-            assert not CJK.search(re.sub(r"对 ?/ ?错|不是", "", en)), \
+            # exercise 10 names the verdict words a learner may answer with (对/错, 不是), and quotes an answer
+            # ("错。……"), in English too
+            assert not CJK.search(re.sub(r'对 ?/ ?错|不是|"[^"]*"', "", en)), \
                 f"{path.name}:{node.lineno}: Chinese in the English half"
             skip |= {id(n) for arg in node.args for n in ast.walk(arg)}
     return [f"{path.name}:{n.lineno}: {_literal_text(n)[:90]!r}" for n in ast.walk(tree)

@@ -12,11 +12,28 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+# Building a model seeds torch's global generator and draws its initial weights from it. Two threads that build
+# models at once (`zeroedu grade --jobs 2` computes each notebook's single-process reference in a thread of its own)
+# would interleave their draws, and one of them would get other weights than its seed says: an honest learner then
+# fails "the gradients equal one process on the whole batch". So a construction holds this lock from its seed to
+# its last draw.
+_SEEDING = threading.RLock()
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """torch.manual_seed(seed), then the block's draws from the global generator, with no other thread drawing
+    from it in between (other threads that build a model wait)."""
+    with _SEEDING:
+        torch.manual_seed(seed)
+        yield
 
 
 @dataclass(frozen=True)
@@ -90,19 +107,19 @@ class TinyGPT(nn.Module):
         super().__init__()
         cfg = cfg or TinyGPTConfig()
         self.cfg = cfg
-        torch.manual_seed(seed)
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Parameter(torch.randn(cfg.seq_len, cfg.d_model) * 0.02)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.head.weight = self.wte.weight  # tied: one Parameter, two modules
-        for m in self.modules():
-            if isinstance(m, nn.Linear | nn.Embedding):
-                with _whole(m):
-                    nn.init.normal_(m.weight, std=0.02)
-                    if isinstance(m, nn.Linear) and m.bias is not None:
-                        nn.init.zeros_(m.bias)
+        with seeded(seed):
+            self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.wpe = nn.Parameter(torch.randn(cfg.seq_len, cfg.d_model) * 0.02)
+            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+            self.ln_f = nn.LayerNorm(cfg.d_model)
+            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            self.head.weight = self.wte.weight  # tied: one Parameter, two modules
+            for m in self.modules():
+                if isinstance(m, nn.Linear | nn.Embedding):
+                    with _whole(m):
+                        nn.init.normal_(m.weight, std=0.02)
+                        if isinstance(m, nn.Linear) and m.bias is not None:
+                            nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx) + self.wpe[: idx.shape[1]]
@@ -119,8 +136,8 @@ class TinyGPT(nn.Module):
 class MLP(nn.Module):
     def __init__(self, sizes: tuple[int, ...] = (32, 64, 64, 10), seed: int = 0) -> None:
         super().__init__()
-        torch.manual_seed(seed)
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:], strict=False))
+        with seeded(seed):
+            self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:], strict=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
@@ -187,8 +204,8 @@ class TensorParallelMLP(nn.Module):
     @staticmethod
     def full(d_model: int, seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
         """The whole layer's two Linears, as every rank builds them before slicing."""
-        torch.manual_seed(seed)
-        return nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
+        with seeded(seed):
+            return nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm is None or self.comm.world_size == 1:
@@ -203,11 +220,11 @@ class Quirky(nn.Module):
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
-        torch.manual_seed(seed)
-        self.emb = nn.Embedding(13, 7)
-        self.twice = nn.Linear(7, 7)
-        self.unused = nn.Linear(3, 5)
-        self.head = nn.Linear(7, 13, bias=False)
+        with seeded(seed):
+            self.emb = nn.Embedding(13, 7)
+            self.twice = nn.Linear(7, 7)
+            self.unused = nn.Linear(3, 5)
+            self.head = nn.Linear(7, 13, bias=False)
         self.head.weight = self.emb.weight
         self.register_buffer("shift", torch.linspace(-0.1, 0.1, 7))
 

@@ -117,7 +117,7 @@ def from_notebook() -> str:
 
 def _refusals(private: Path) -> list[str]:
     """The guard's refusals, from the kernel's stderr as the grader received it (outside the sandbox), each
-    labelled as the notebook's report (FROM_NOTEBOOK)."""
+    labelled as the notebook's report (from_notebook())."""
     try:
         lines = (private / "kernel.log").read_text(errors="replace").splitlines()
     except OSError:
