@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from zeroedu.grading import ex10, tr
+from zeroedu.grading import ex10
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,13 +84,11 @@ def test_common_mistakes_quote_the_article_with_bilingual_verdicts():
 
 
 def _hidden_rubric() -> list[ex10.Expect]:
-    nb = nbformat.read(ROOT / "solutions" / "ex10_spot_the_errors.ipynb", as_version=4)
-    cell = next(c for c in nb.cells
-                if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "ex10-hidden-answers")
-    assert "### BEGIN HIDDEN TESTS" in cell.source
-    space: dict = {"ex10": ex10, "check": lambda *args: None, "tr": tr, "ANSWERS": None}   # the setup cell's names
-    exec(cell.source, space)
-    return space["RUBRIC_B"]
+    from test_ex10 import _cell, _solution
+    from test_ex10 import _hidden_rubric as rubric_b  # RUBRIC_B as the solution's hidden cell writes it
+
+    assert "### BEGIN HIDDEN TESTS" in _cell(_solution(), "ex10-hidden-answers").source
+    return rubric_b()
 
 
 def test_ex10_hidden_rubric_is_in_no_module_the_exercise_can_import():
