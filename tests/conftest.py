@@ -149,28 +149,41 @@ class GradedClass:
     report_zh: str
 
 
-@pytest.fixture(scope="session")
-def wrong_answer_class(tmp_path_factory) -> GradedClass:
-    """Every wrong-answer fixture of test_grading.WRONG handed in by its own learner (the folder is the fixture's
-    name), graded once, as an instructor grades a class: `zeroedu grade --trusted --jobs 2 --json --report`.
-    test_grading checks each learner's points and hints from the gradebook, test_kit the misconception report of
-    the same run (the two used to grade the same eleven notebooks twice: 75 s of CI)."""
+def _grade_class(tmp: Path, edition: str) -> GradedClass:
+    """Every wrong-answer fixture of test_grading.WRONG applied to the `edition` ("en", "zh") exercise notebook and
+    handed in by its own learner (the folder is the fixture's name), graded at once as an instructor grades a
+    class: `zeroedu grade --trusted --jobs 2 --json --report`, at the grader's default cell limit (120 s; a
+    launch gets 90 s and a wait in one collective 45 s: a shorter limit has called a slow rank on a loaded
+    machine hung). No language setting of this process reaches the grader: each notebook speaks its own."""
     from test_grading import WRONG, make_submission
 
-    tmp = tmp_path_factory.mktemp("wrong-class")
     subs = tmp / "subs"
     for fixture, (exercise, _) in WRONG.items():
-        make_submission(exercise, fixture, subs / fixture.removesuffix(".cells"))
+        make_submission(exercise, fixture, subs / fixture.removesuffix(".cells"), edition=edition)
     book, report = tmp / "gradebook.json", tmp / "report.md"
+    env = {k: v for k, v in os.environ.items() if k != "ZEROEDU_LANG"}
     proc = subprocess.run([sys.executable, "-m", "zeroedu", "grade", str(subs), "--trusted", "--quiet", "--jobs", "2",
-                           "--timeout", "60", "--json", str(book), "--report", str(report)],
-                          capture_output=True, text=True, timeout=880, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                           "--json", str(book), "--report", str(report)],
+                          capture_output=True, text=True, timeout=880, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {(learner["learner"], e["exercise"]): e for learner in json.loads(book.read_text())["learners"]
                for e in learner["exercises"]}
     return GradedClass(proc, results, report.read_text(encoding="utf-8"),
                        (tmp / "report.zh.md").read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="session")
+def wrong_answer_class(tmp_path_factory) -> GradedClass:
+    """The English class (_grade_class), graded once: test_grading checks each learner's points and hints from
+    its gradebook, test_kit the misconception report of the same run."""
+    return _grade_class(tmp_path_factory.mktemp("wrong-class"), "en")
+
+
+@pytest.fixture(scope="session")
+def wrong_answer_class_zh(tmp_path_factory) -> GradedClass:
+    """The same mistakes handed in on the Chinese exercise notebooks (notebooks/zh/exercises/): a class that
+    learns in 中文, whose hints and report test_kit and test_kit_messages read."""
+    return _grade_class(tmp_path_factory.mktemp("wrong-class-zh"), "zh")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -52,11 +52,14 @@ def _sections(text: str) -> list[tuple[str, str, str]]:
     return [(parts[i], parts[i + 1], parts[i + 2].strip("\n")) for i in range(1, len(parts), 3)]
 
 
-def make_submission(exercise: str, fixture: str | None, folder: Path, victim: Path | None = None) -> Path:
-    """The exercise notebook a learner got, answered with the solution's code, then edited by the fixture."""
+def make_submission(exercise: str, fixture: str | None, folder: Path, victim: Path | None = None,
+                    edition: str = "en") -> Path:
+    """The exercise notebook a learner got (edition "zh": the Chinese one, notebooks/zh/exercises/), answered
+    with the solution's code, then edited by the fixture."""
     solution = nbformat.read(SOLUTIONS / f"{exercise}.ipynb", as_version=4)
     answers = {_meta(c)["grade_id"]: c.source for c in solution.cells if _meta(c).get("solution")}
-    nb = nbformat.read(EXERCISES / f"{exercise}.ipynb", as_version=4)
+    given = {"en": EXERCISES, "zh": ROOT / "notebooks" / "zh" / "exercises"}[edition]
+    nb = nbformat.read(given / f"{exercise}.ipynb", as_version=4)
     for cell in nb.cells:
         if _meta(cell).get("solution"):
             cell.source = answers[_meta(cell)["grade_id"]]

@@ -196,21 +196,36 @@ PLANTED = {   # fixture -> the misconceptions its first comment says it plants
 }
 
 
+def _failures_of(graded, learner: str) -> list[tuple[str, str]]:
+    """(check, message) of every check the learner failed: what a failed report assertion shows."""
+    return [(t["grade_id"], t["message"]) for (who, _), e in graded.results.items() if who == learner
+            for t in e["tests"] if not t["passed"]]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_report_on_the_wrong_answer_fixtures_names_each_planted_misconception(wrong_answer_class):
-    """The misconception report of the class run that test_grading's wrong-answer tests read (conftest)."""
+@pytest.mark.parametrize("edition", ["en", "zh"])
+def test_report_on_the_wrong_answer_fixtures_names_each_planted_misconception(edition, request):
+    """The misconception report of the class run that test_grading's wrong-answer tests read (conftest), and of
+    the same mistakes made in the Chinese exercise notebooks: the hints speak 中文 there, and the report still
+    names every mistake (its catalogue reads both languages)."""
+    graded = request.getfixturevalue({"en": "wrong_answer_class", "zh": "wrong_answer_class_zh"}[edition])
     assert set(PLANTED) <= set(WRONG) and {f for f in WRONG if f.endswith(".cells")} == set(PLANTED)
-    en, zh = wrong_answer_class.report_en, wrong_answer_class.report_zh
+    en, zh = graded.report_en, graded.report_zh
     who = {}
     for line in en.split("## Who, per misconception")[1].strip().splitlines():
         label, names = line[2:].rsplit(": ", 1)
         who[label] = set(names.split(", "))
     for fixture, keys in PLANTED.items():
-        for key in keys:
+        learner = fixture.removesuffix(".cells")
+        for key in sorted(keys):
             m = next(m for m in misconceptions.CATALOGUE if m.key == key)
-            assert fixture.removesuffix(".cells") in who.get(m.en, set()), (fixture, key, en)
+            assert learner in who.get(m.en, set()), (fixture, key, _failures_of(graded, learner))
             assert m.zh in zh and m.revisit in en
+    if edition == "zh":   # every hint in 中文, the ones the ranks write in the kernel included
+        for e in (e for e in graded.results.values() if e["status"] == "graded"):
+            assert e["language"] == "zh", e["exercise"]
+            assert all(t["passed"] or re.search(r"[\u4e00-\u9fff]", t["message"]) for t in e["tests"]), e["tests"]
     # The one mistake two exercises share is counted over both: 2 learners of the 4 who handed ex02 or ex05 in.
     table = [line for line in en.splitlines() if re.match(r"\| \d+ \| \d+ of \d+ \|", line)]
     sum_row = next(line for line in table if "summed the ranks' gradients without dividing by N" in line)

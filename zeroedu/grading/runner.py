@@ -26,7 +26,8 @@ from zeroedu.grading.kernel import EXCHANGE_PATH
 from zeroedu.grading.link import _Captured, _KernelLink
 from zeroedu.grading.results import CellRun, Limits
 from zeroedu.grading.source import grader_names, places
-from zeroedu.i18n import tr
+from zeroedu.i18n import ENV as LANG_ENV
+from zeroedu.i18n import current, tr
 
 GUARD_DIR = Path(__file__).resolve().parent / "guard"
 PROBE_SECONDS = 10.0      # after a timeout, how long an interrupted kernel gets to answer again (loaded machines)
@@ -86,6 +87,9 @@ class _Runner:
             # launch() inside a test gives up a little before the cell would be killed: a clearer message.
             ZEROEDU_TEST_TIMEOUT=f"{self.test_timeout():g}",
         )
+        # The language the grader grades this notebook in (its declared one, else the grader's): what the harness
+        # runs in the kernel (a launch's failure, a rank's error) speaks it too, as the checks here do.
+        env[LANG_ENV] = current()
         env.setdefault("PATH", os.defpath)
         if self.sandbox is None and "HOME" in os.environ:   # --trusted: the learner's own machine and home
             env["HOME"] = os.environ["HOME"]
