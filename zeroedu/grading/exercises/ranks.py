@@ -150,8 +150,10 @@ def run_on_ranks(job: Callable, world_size: int, args: tuple = (), what: str | N
                 where = tr(f" Rank {rank} was waiting{line}.", f" rank {rank} 在等待{line}。")
                 break
         hint = f" {hang_hint}" if hang_hint else ""
-        raise AssertionError(tr(f"{what} hung: the ranks did not finish within {timeout:g} s.{where}{hint}",
-                                f"{what} 卡住了：各 rank 在 {timeout:g} s 内没有结束。{where}{hint}")) from None
+        raise AssertionError(tr(f"{what} hung: a rank waited more than {0.5 * timeout:g} s in one collective."
+                                f"{where}{hint}",
+                                f"{what} 卡住了：有 rank 在同一个集合通信里等了超过 {0.5 * timeout:g} s。"
+                                f"{where}{hint}")) from None
     except CollectiveMismatchError as e:
         raise AssertionError(tr(f"{what}: ranks called different collectives ({_whole(e)})",
                                 f"{what}：各 rank 调用了不同的集合通信（{_whole(e)}）")) from None
