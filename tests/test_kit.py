@@ -196,10 +196,12 @@ PLANTED = {   # fixture -> the misconceptions its first comment says it plants
 }
 
 
-def _failures_of(graded, learner: str) -> list[tuple[str, str]]:
-    """(check, message) of every check the learner failed: what a failed report assertion shows."""
-    return [(t["grade_id"], t["message"]) for (who, _), e in graded.results.items() if who == learner
-            for t in e["tests"] if not t["passed"]]
+def _failures_of(graded, learner: str) -> list:
+    """What a failed report assertion shows of a learner: each notebook's status and notes, and (check, message)
+    of every check failed."""
+    return [(e["exercise"], e["status"], e["notes"], [(t["grade_id"], t["message"]) for t in e["tests"]
+                                                      if not t["passed"]])
+            for (who, _), e in graded.results.items() if who == learner and e["status"] != "not submitted"]
 
 
 @pytest.mark.slow

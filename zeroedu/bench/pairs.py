@@ -24,9 +24,11 @@ MLP_CLASSES = 10
 
 def bench_mlp(width: int = 1024, layers: int = 8, seed: int = 0) -> torch.nn.Sequential:
     """The MLP workload: `layers` blocks of Linear(width, width) + GELU, then a head to MLP_CLASSES classes."""
-    torch.manual_seed(seed)
-    blocks = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(layers)]
-    return torch.nn.Sequential(*blocks, torch.nn.Linear(width, MLP_CLASSES))
+    from zeroedu.models import seeded
+
+    with seeded(seed):   # the same weights whatever another thread draws meanwhile
+        blocks = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(layers)]
+        return torch.nn.Sequential(*blocks, torch.nn.Linear(width, MLP_CLASSES))
 
 
 class Workload:
