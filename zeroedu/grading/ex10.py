@@ -218,7 +218,7 @@ def answers_in_notebook(nb: object, cell_id: str = ANSWER_CELL) -> dict[str, str
                 raise AssertionError(tr("ANSWERS must be a dict from claim id to your sentence",
                                         "ANSWERS 必须是从说法编号到你那句话的 dict"))
             return {str(k): v for k, v in value.items()}
-    raise NotImplementedError(tr(*STUB))
+    raise NotImplementedError(_say(STUB))
 
 
 def _answers(answers: object) -> dict:

@@ -21,8 +21,6 @@ REFUSED_MARK = "zeroedu-grade-refused "   # guard/sitecustomize.py writes refusa
 def _test_name(cell: Any, grade_id: str) -> str:
     """The names the cell's check() calls give, read from its source: a plain string, or tr("English", "中文") said
     in the grader's language; the grade_id when there is none."""
-    from zeroedu.i18n import tr
-
     names = []
     try:
         tree = ast.parse(cell.source)
